@@ -1,0 +1,1 @@
+"""Small, self-contained models and data used by the examples, tests and benchmarks."""

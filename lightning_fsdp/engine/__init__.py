@@ -1,0 +1,21 @@
+"""Our Fully Sharded Data Parallel engine. Imports torch only: usable from plain torchrun, testable alone."""
+
+from lightning_fsdp.engine.api import fully_shard
+from lightning_fsdp.engine.clip import clip_grad_norm_, clip_grad_value_
+from lightning_fsdp.engine.contexts import no_sync, set_requires_gradient_sync, summon_full_params
+from lightning_fsdp.engine.options import BackwardPrefetch, ShardingStrategy
+from lightning_fsdp.engine.policies import ModuleClassPolicy, SizeBasedPolicy, size_based_policy
+
+__all__ = [
+    "BackwardPrefetch",
+    "ModuleClassPolicy",
+    "ShardingStrategy",
+    "SizeBasedPolicy",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "fully_shard",
+    "no_sync",
+    "set_requires_gradient_sync",
+    "size_based_policy",
+    "summon_full_params",
+]

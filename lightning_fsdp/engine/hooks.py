@@ -1,0 +1,200 @@
+"""The runtime flow of one training step, from the root's first forward hook to the callback that ends backward.
+
+Read top to bottom, this file is the six stages of DESIGN.md's "One training step":
+
+1. root pre-forward: lazy init (the one place for root-only decisions), unshard the root;
+2. unit pre-forward: unshard (or wait for the prefetched gather), prefetch the next unit in forward order;
+3. unit post-forward: reshard (FULL_SHARD, non-root), hook the outputs so backward announces itself;
+4. unit pre-backward: unshard again, prefetch the unit backward reaches next (BACKWARD_PRE);
+5. unit post-backward, once every trainable parameter of the unit has its gradient: reshard, reduce;
+6. root post-backward, a callback queued on the autograd engine: finish every reduction, reshard what is left.
+
+[Note: why the pre-backward hook sits on the outputs] Autograd runs a unit's backward right after the gradients of
+its outputs exist, so a hook on those outputs is the first moment the unit's full parameters are needed again --
+and it fires before any op inside the unit. A unit called twice gets two hooks; the second finds it unsharded.
+
+[Note: post-backward by counting] A post-accumulate-grad hook fires exactly once per backward for every leaf that
+received a gradient, after all its uses have been summed (a unit called twice included). When the count reaches
+the unit's trainable parameters, its gradients are complete. A unit some of whose parameters got no gradient
+(an unused branch) is reduced by the final callback instead, in reverse forward order on every rank alike.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from lightning_fsdp.engine.options import BackwardPrefetch
+from lightning_fsdp.engine.registry import units_under
+from lightning_fsdp.engine.unit import FSDPUnit, PendingGradReduction, ShardState, TrainingState
+
+# At most this many units gathered ahead of their use (the rate limiter of ``limit_all_gathers``).
+MAX_PREFETCHED_UNITS = 2
+
+
+class RootContext:
+    """State shared by all units under one root: forward order, reductions in flight, the end-of-backward callback."""
+
+    def __init__(self, root: FSDPUnit) -> None:
+        self.root = root
+        self.units: list[FSDPUnit] = []
+        self.forward_order: list[FSDPUnit] = []
+        self._position: dict[int, int] = {}
+        self.order_frozen = False
+        self.pending: deque[PendingGradReduction] = deque()
+        self.callback_queued = False
+
+    def lazy_init(self) -> None:
+        """Claim every unit under the root. Safe to call again: it only re-reads which units exist."""
+        self.units = units_under(self.root.module)
+        groups = {id(unit.group) for unit in self.units}
+        if len(groups) > 1:
+            raise ValueError(
+                "units under one root use different process groups; pass the same process_group to every "
+                "fully_shard call of one model."
+            )
+        for unit in self.units:
+            unit.is_root = unit is self.root
+            unit.context = self
+
+    # ----- order and prefetch --------------------------------------------------------------------------------------
+
+    def record_forward(self, unit: FSDPUnit) -> None:
+        if not self.order_frozen and id(unit) not in self._position:
+            self._position[id(unit)] = len(self.forward_order)
+            self.forward_order.append(unit)
+
+    def neighbour(self, unit: FSDPUnit, step: int) -> FSDPUnit | None:
+        index = self._position.get(id(unit))
+        if index is None or not 0 <= index + step < len(self.forward_order):
+            return None
+        return self.forward_order[index + step]
+
+    def prefetch(self, unit: FSDPUnit | None) -> None:
+        if unit is None or unit.shard_state is not ShardState.SHARDED:
+            return
+        if unit.options.limit_all_gathers and sum(u.prefetched for u in self.units) >= MAX_PREFETCHED_UNITS:
+            return
+        unit.unshard()
+        unit.prefetched = True
+
+    def unshard_for_use(self, unit: FSDPUnit, prefetch: FSDPUnit | None) -> None:
+        """Issue the unit's gather, then the prefetch's (so the unit's arrives first), then wait for the unit."""
+        unit.unshard()
+        self.prefetch(prefetch)
+        unit.wait_for_unshard()
+        unit.prefetched = False
+
+    # ----- gradients -----------------------------------------------------------------------------------------------
+
+    def enqueue_reduction(self, reduction: PendingGradReduction | None) -> None:
+        """Keep one reduction in flight behind the current one: overlap without holding every send buffer."""
+        if reduction is not None:
+            self.pending.append(reduction)
+        while len(self.pending) > 1:
+            self.pending.popleft().finish()
+
+    def queue_final_callback(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
+
+    def finalize_backward(self) -> None:
+        """Stage 6: reduce the units backward reached but did not finish, wait for everything, reshard all."""
+        ordered = list(reversed(self.forward_order)) + [u for u in self.units if id(u) not in self._position]
+        for unit in ordered:
+            reached = unit.training_state is TrainingState.PRE_BACKWARD or unit.grads_seen > 0
+            if reached and unit.training_state is not TrainingState.POST_BACKWARD:
+                post_backward(unit)
+        while self.pending:
+            self.pending.popleft().finish()
+        self.reshard_all()
+        self.order_frozen = True
+        self.callback_queued = False
+
+    def reshard_all(self) -> None:
+        for unit in self.units:
+            unit.reshard()
+            unit.training_state = TrainingState.IDLE
+            unit.grads_seen = 0
+
+
+def context_of(unit: FSDPUnit) -> RootContext:
+    if unit.context is None:  # the first forward through this unit: it is the root
+        RootContext(unit).lazy_init()
+    return unit.context
+
+
+# ----- stages 1-3: forward -----------------------------------------------------------------------------------------
+
+
+def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    context = context_of(unit)
+    if unit.training_state is TrainingState.PRE_BACKWARD:  # recomputation under activation checkpointing
+        unit.wait_for_unshard()
+        return
+    unit.training_state = TrainingState.FORWARD
+    if torch.is_grad_enabled():
+        context.record_forward(unit)
+        unit.grads_expected = unit.num_trainable()
+    forward_next = context.neighbour(unit, +1) if unit.options.forward_prefetch and context.order_frozen else None
+    context.unshard_for_use(unit, forward_next)
+
+
+def post_forward(unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) -> Any:
+    context = context_of(unit)
+    if unit.training_state is TrainingState.PRE_BACKWARD:  # recomputation: backward needs the parameters next
+        return output
+    unit.training_state = TrainingState.IDLE
+    if unit.options.reshard_after_forward and not unit.is_root:
+        unit.reshard()
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if tensors and torch.is_grad_enabled():
+        register_multi_grad_hook(tensors, lambda _grad: pre_backward(unit), mode="any")
+    elif unit.is_root:  # no graph to run backward through (eval, no_grad): leave nothing unsharded
+        context.reshard_all()
+    return output
+
+
+# ----- stages 4-5: backward ----------------------------------------------------------------------------------------
+
+
+def pre_backward(unit: FSDPUnit) -> None:
+    context = context_of(unit)
+    context.queue_final_callback()
+    if unit.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        return
+    unit.training_state = TrainingState.PRE_BACKWARD
+    prefetch = unit.options.backward_prefetch is BackwardPrefetch.BACKWARD_PRE
+    context.unshard_for_use(unit, context.neighbour(unit, -1) if prefetch else None)
+
+
+def on_grad_accumulated(unit: FSDPUnit) -> None:
+    unit.grads_seen += 1
+    if unit.grads_seen == unit.grads_expected and unit.training_state is not TrainingState.POST_BACKWARD:
+        post_backward(unit)
+
+
+def post_backward(unit: FSDPUnit) -> None:
+    context = context_of(unit)
+    if unit.options.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        context.prefetch(context.neighbour(unit, -1))
+    if unit.requires_grad_sync:
+        context.enqueue_reduction(unit.reduce_grads())
+    unit.reshard()
+    unit.training_state = TrainingState.POST_BACKWARD
+
+
+def install_hooks(unit: FSDPUnit) -> None:
+    """Registered once per unit; nothing is re-registered per step except the hook on each forward's outputs."""
+    unit.module.register_forward_pre_hook(
+        lambda module, args, kwargs: pre_forward(unit, module, args, kwargs), with_kwargs=True
+    )
+    unit.module.register_forward_hook(lambda module, args, output: post_forward(unit, module, args, output))
+    for param in unit.grad_params():
+        param.register_post_accumulate_grad_hook(lambda _param: on_grad_accumulated(unit))

@@ -1,0 +1,150 @@
+"""One parameter's two lives: the local dim-0 shard the optimizer owns, and the full tensor the forward uses.
+
+[Note: storage freeing and tensor identity] The unsharded parameter is created once and keeps its identity for the
+life of the model: autograd saves it for backward, and post-accumulate-grad hooks are registered on it once. Between
+uses only its *storage* is released (``untyped_storage().resize_(0)``) and re-allocated on the next unshard, so the
+memory is given back while every saved reference stays a valid object. Data is written through ``.data`` aliases,
+which have their own version counter: re-gathering the same values in backward must not look to autograd like an
+in-place modification of a tensor it saved in forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where this rank's rows of one parameter lie: rows ``[start, start + local_rows)`` of the full tensor."""
+
+    rows: int  # dim 0 of the full tensor (1 for a 0-dim parameter)
+    row_numel: int  # elements per row
+    chunk_rows: int  # rows per rank, padded: ceil(rows / world_size)
+    world_size: int
+    rank: int
+
+    @property
+    def start(self) -> int:
+        return min(self.rank * self.chunk_rows, self.rows)
+
+    @property
+    def local_rows(self) -> int:
+        return min(self.start + self.chunk_rows, self.rows) - self.start
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements each rank contributes to the unit's flat buffers, padding included."""
+        return self.chunk_rows * self.row_numel
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @staticmethod
+    def for_shape(shape: torch.Size, rank: int, world_size: int) -> ShardLayout:
+        rows = shape[0] if len(shape) > 0 else 1
+        row_numel = math.prod(shape[1:]) if len(shape) > 0 else 1
+        return ShardLayout(rows, row_numel, math.ceil(rows / world_size), world_size, rank)
+
+
+class FSDPParam:
+    """A sharded parameter: the registered local shard, and the full tensor materialised on demand.
+
+    ``owners`` lists every (module, attribute) that registers the parameter, so that a parameter shared by two
+    modules (a tied embedding and output head) is swapped on both at once.
+    """
+
+    def __init__(self, param: nn.Parameter, fqn: str, owners: list[tuple[nn.Module, str]], group: ProcessGroup):
+        self.fqn = fqn
+        self.owners = owners
+        self.group = group  # the ranks the rows are spread over
+        self.shape = param.shape
+        self.layout = ShardLayout.for_shape(param.shape, dist.get_rank(group), group.size())
+        layout = self.layout
+        # The padded local shard: what this rank packs into the unit's all-gather. Padding rows stay zero.
+        self._padded_shard = torch.zeros(layout.shard_numel, dtype=param.dtype, device=param.device)
+        lo, n_local = layout.start * layout.row_numel, layout.local_rows * layout.row_numel
+        with torch.no_grad():
+            self._padded_shard[:n_local].copy_(param.detach().reshape(-1)[lo : lo + n_local])
+        shard_shape = (layout.local_rows, *param.shape[1:]) if param.dim() > 0 else (layout.local_rows,)
+        self.sharded = nn.Parameter(self._padded_shard[:n_local].view(shard_shape), requires_grad=param.requires_grad)
+        # The full tensor lives in a padded buffer so the all-gather output copies into it in one fused op.
+        padded_full = torch.empty(layout.padded_numel, dtype=param.dtype, device=param.device)
+        self.unsharded = nn.Parameter(padded_full[: param.numel()].view(param.shape), requires_grad=param.requires_grad)
+        self._unsharded_data = padded_full.data  # see [Note: storage freeing and tensor identity]
+        self.free_unsharded()
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.sharded.requires_grad
+
+    @property
+    def padded_shard(self) -> torch.Tensor:
+        """The shard with padding, as packed for the all-gather. Re-synced if the user replaced ``.data``."""
+        if self.sharded.data_ptr() != self._padded_shard.data_ptr() and self.sharded.numel() > 0:
+            self._padded_shard[: self.sharded.numel()].copy_(self.sharded.detach().reshape(-1))
+        return self._padded_shard
+
+    @property
+    def unsharded_buffer(self) -> torch.Tensor:
+        """The padded full buffer the all-gather output is copied into (a ``.data`` alias; no version bumps)."""
+        return self._unsharded_data
+
+    def alloc_unsharded(self) -> None:
+        storage = self._unsharded_data.untyped_storage()
+        nbytes = self._unsharded_data.numel() * self._unsharded_data.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+
+    def free_unsharded(self) -> None:
+        self._unsharded_data.untyped_storage().resize_(0)
+
+    @property
+    def is_unsharded_allocated(self) -> bool:
+        return self._unsharded_data.untyped_storage().nbytes() > 0
+
+    def register_sharded(self) -> None:
+        for module, name in self.owners:
+            module._parameters[name] = self.sharded
+
+    def register_unsharded(self) -> None:
+        if self.unsharded.requires_grad != self.sharded.requires_grad:
+            self.unsharded.requires_grad_(self.sharded.requires_grad)
+        for module, name in self.owners:
+            module._parameters[name] = self.unsharded
+
+    def grad_by_rank(self) -> torch.Tensor | None:
+        """The unsharded gradient as (world_size, shard_numel), zero-padded; None if no gradient arrived."""
+        grad = self.unsharded.grad
+        if grad is None:
+            return None
+        layout = self.layout
+        rows = grad.reshape(layout.rows, layout.row_numel)
+        pad = layout.chunk_rows * layout.world_size - layout.rows
+        if pad:
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
+        return rows.view(layout.world_size, layout.shard_numel)
+
+    def accumulate_sharded_grad(self, reduced_shard: torch.Tensor) -> None:
+        """Add this rank's reduced rows (a view of the unit's reduce output, padding included) to ``.grad``."""
+        grad = reduced_shard[: self.sharded.numel()].view(self.sharded.shape)
+        if self.sharded.grad is None:
+            self.sharded.grad = grad.to(self.sharded.dtype)
+        else:
+            self.sharded.grad.add_(grad)
+
+    def write_back_from_unsharded(self) -> None:
+        """Copy this rank's rows of the (possibly user-modified) full tensor back into the shard."""
+        n_local = self.sharded.numel()
+        lo = self.layout.start * self.layout.row_numel
+        with torch.no_grad():
+            self.sharded.data.reshape(-1).copy_(self.unsharded.data.reshape(-1)[lo : lo + n_local])
+
+    def __repr__(self) -> str:
+        return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, local_rows={self.layout.local_rows})"

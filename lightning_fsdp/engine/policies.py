@@ -1,0 +1,99 @@
+"""Auto-wrap policies: which modules become sharding units, decided bottom-up.
+
+A policy is a set of module classes, or a callable ``policy(module, recurse, nonwrapped_numel) -> bool`` -- the
+protocol torch's own auto-wrap policies follow, so ``functools.partial(torch.distributed.fsdp.wrap.
+size_based_auto_wrap_policy, min_num_params=...)`` works unchanged. Asked with ``recurse=True`` the callable says
+whether to look inside ``module``; with ``recurse=False``, whether ``module`` itself becomes a unit, given the
+number of parameters in its subtree that no descendant unit took.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from torch import nn
+
+WrapPolicy = Callable[[nn.Module, bool, int], bool]
+PolicyLike = WrapPolicy | Iterable[type[nn.Module]] | None
+
+
+class ModuleClassPolicy:
+    """Wrap every module that is an instance of one of ``classes`` (a transformer's block, say)."""
+
+    def __init__(self, classes: Iterable[type[nn.Module]]) -> None:
+        self.classes = tuple(classes)
+        bad = [c for c in self.classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if bad:
+            raise TypeError(f"an auto-wrap policy set must hold nn.Module subclasses, got {bad!r}.")
+
+    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return True if recurse else isinstance(module, self.classes)
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(c.__name__ for c in self.classes) + "}"
+
+
+class SizeBasedPolicy:
+    """Wrap a module once the parameters in its subtree that no descendant unit took reach ``min_num_params``.
+
+    Containers (``ModuleList``, ``ModuleDict``) are never wrapped: they have no forward of their own, so a unit on
+    them would never be gathered.
+    """
+
+    def __init__(self, min_num_params: int = 100_000_000) -> None:
+        self.min_num_params = int(min_num_params)
+
+    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        if recurse:
+            return True
+        return nonwrapped_numel >= self.min_num_params and not isinstance(module, nn.ModuleList | nn.ModuleDict)
+
+    def __repr__(self) -> str:
+        return f"SizeBasedPolicy(min_num_params={self.min_num_params})"
+
+
+def size_based_policy(min_num_params: int = 100_000_000) -> SizeBasedPolicy:
+    return SizeBasedPolicy(min_num_params)
+
+
+def as_wrap_policy(policy: PolicyLike) -> WrapPolicy | None:
+    if policy is None or callable(policy) and not isinstance(policy, type):
+        return policy
+    if isinstance(policy, type):
+        return ModuleClassPolicy([policy])
+    return ModuleClassPolicy(policy)
+
+
+def select_unit_modules(root: nn.Module, policy: WrapPolicy, is_unit: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """The modules below ``root`` that the policy makes units, children before parents (root excluded).
+
+    Modules that already are units (an earlier ``fully_shard`` call) stay units and count as wrapped.
+    """
+    selected: list[nn.Module] = []
+    seen_params: set[int] = set()
+
+    def subtree_numel(module: nn.Module) -> int:
+        total = 0
+        for param in module.parameters():
+            if id(param) not in seen_params:
+                total += param.numel()
+        return total
+
+    def visit(module: nn.Module) -> int:
+        """Returns the number of parameters in ``module``'s subtree that units took."""
+        if is_unit(module):
+            taken = subtree_numel(module)
+            seen_params.update(id(p) for p in module.parameters())
+            return taken
+        nonwrapped = subtree_numel(module)
+        if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped):
+            return 0
+        taken = sum(visit(child) for child in module.children())
+        if module is not root and policy(module=module, recurse=False, nonwrapped_numel=nonwrapped - taken):
+            selected.append(module)
+            seen_params.update(id(p) for p in module.parameters())
+            return nonwrapped
+        return taken
+
+    visit(root)
+    return selected

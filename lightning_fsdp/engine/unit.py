@@ -1,0 +1,195 @@
+"""One sharding unit: the parameters of one module, gathered, freed and reduced together.
+
+A unit issues exactly one collective per transition (one all-gather to unshard, one reduce-scatter or all-reduce
+to reduce gradients) over a flat buffer packed from all its parameters, as the FSDP paper's FlatParameter does,
+while each parameter keeps its own name, shape and dim-0 shard (see ``param.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from lightning_fsdp.engine import collectives
+from lightning_fsdp.engine.options import ShardingOptions
+from lightning_fsdp.engine.param import FSDPParam
+
+
+class ShardState(Enum):
+    SHARDED = auto()  # only the local shards exist; the module holds them
+    UNSHARDING = auto()  # the all-gather is in flight; the module still holds the shards
+    UNSHARDED = auto()  # full tensors allocated and registered on the module
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()  # backward has reached the unit's outputs; its gradients are being computed
+    POST_BACKWARD = auto()  # its gradients are reduced (or kept, when gradient sync is off) for this step
+
+
+@dataclass
+class PendingGradReduction:
+    """A unit's gradient reduction in flight; ``finish`` waits and accumulates the result into the ``.grad``s.
+
+    ``had_grad`` marks, per trainable parameter, whether a gradient arrived on this rank. One that got none (an
+    unused parameter) still holds its zero-filled place in the flat buffer, since every rank must send the same
+    layout, but keeps ``.grad = None`` as it would unsharded -- so an optimizer skips it instead of applying weight
+    decay to it. A parameter used on some ranks and not on others in the same step is not supported (as in
+    torch's FSDP): all ranks must take the same branches.
+    """
+
+    unit: FSDPUnit
+    pending: collectives.PendingReduceScatter
+    had_grad: list[bool]
+
+    def finish(self) -> None:
+        reduced = self.pending.wait()
+        reduced.div_(self.unit.world_size)  # an average over ranks, as DDP and the unsharded reference compute
+        self.unit.accept_reduced_grads(reduced, self.had_grad)
+
+
+class FSDPUnit:
+    """The parameters one ``fully_shard`` unit owns, and the moves between their sharded and unsharded forms.
+
+    With NO_SHARD the parameters stay replicated (``params`` holds plain parameters in ``replicated``) and only
+    the gradient all-reduce remains.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        params: list[FSDPParam],
+        replicated: list[nn.Parameter],
+        group: ProcessGroup,
+        options: ShardingOptions,
+    ) -> None:
+        self.module = module
+        self.params = params
+        self.replicated = replicated
+        self.group = group
+        self.world_size = group.size()
+        self.options = options
+        self.shard_state = ShardState.SHARDED if params else ShardState.UNSHARDED
+        self.training_state = TrainingState.IDLE
+        self.is_root = False
+        self.requires_grad_sync = True
+        self._pending_gather: collectives.PendingAllGather | None = None
+        self.prefetched = False  # unsharded ahead of use; cleared when the unit is used
+        self.context: Any = None  # the RootContext of the root this unit runs under, set at the root's lazy init
+        self.grads_expected = 0  # trainable parameters, counted at pre-forward
+        self.grads_seen = 0  # gradients accumulated so far in this backward
+
+    def __repr__(self) -> str:
+        return f"FSDPUnit({type(self.module).__name__}, params={len(self.params) + len(self.replicated)})"
+
+    # ----- parameters: sharded <-> unsharded -------------------------------------------------------------------
+
+    def unshard(self) -> None:
+        """Start gathering the full parameters (asynchronously); a no-op when they are gathered or in flight."""
+        if self.shard_state is not ShardState.SHARDED:
+            return
+        for fsdp_param in self.params:
+            fsdp_param.alloc_unsharded()
+        shards = [fsdp_param.padded_shard for fsdp_param in self.params]
+        with torch.no_grad():
+            self._pending_gather = collectives.all_gather_shards(shards, self.group, self.world_size)
+        self.shard_state = ShardState.UNSHARDING
+
+    def wait_for_unshard(self) -> None:
+        """Finish the gather, copy every parameter out of the flat buffer and register the full tensors."""
+        if self.shard_state is ShardState.SHARDED:
+            self.unshard()
+        if self.shard_state is ShardState.UNSHARDED:
+            return
+        assert self._pending_gather is not None
+        output = self._pending_gather.wait()
+        self._pending_gather = None
+        with torch.no_grad():
+            collectives.unpack_all_gather(
+                output,
+                self.world_size,
+                [fsdp_param.layout.shard_numel for fsdp_param in self.params],
+                [fsdp_param.unsharded_buffer for fsdp_param in self.params],
+            )
+        for fsdp_param in self.params:
+            fsdp_param.register_unsharded()
+        self.shard_state = ShardState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Register the shards again and give the full tensors' memory back."""
+        if not self.params:
+            return
+        if self.shard_state is ShardState.UNSHARDING:
+            self.wait_for_unshard()  # never free memory a collective is still writing into
+        if self.shard_state is ShardState.SHARDED:
+            return
+        for fsdp_param in self.params:
+            fsdp_param.register_sharded()
+            fsdp_param.free_unsharded()
+        self.shard_state = ShardState.SHARDED
+        self.prefetched = False
+
+    # ----- gradients -------------------------------------------------------------------------------------------
+
+    def grad_params(self) -> list[nn.Parameter]:
+        """The tensors autograd accumulates this unit's gradients into: full tensors, or the replicated params."""
+        if self.params:
+            return [fsdp_param.unsharded for fsdp_param in self.params]
+        return list(self.replicated)
+
+    def num_trainable(self) -> int:
+        return sum(p.requires_grad for p in self.params) + sum(p.requires_grad for p in self.replicated)
+
+    def reduce_grads(self) -> PendingGradReduction | None:
+        """Launch the one gradient collective of this unit; frozen parameters take no part in it."""
+        if self.params:
+            return self._reduce_scatter_grads()
+        return self._all_reduce_grads()
+
+    def _reduce_scatter_grads(self) -> PendingGradReduction | None:
+        trainable = [p for p in self.params if p.requires_grad]
+        if not trainable:
+            return None
+        views, had_grad = [], []
+        for fsdp_param in trainable:
+            grad = fsdp_param.grad_by_rank()
+            had_grad.append(grad is not None)
+            if grad is None:
+                grad = fsdp_param.sharded.new_zeros(self.world_size, fsdp_param.layout.shard_numel)
+            views.append(grad)
+        with torch.no_grad():
+            send = collectives.pack_for_reduce_scatter(views)
+        for fsdp_param in trainable:
+            fsdp_param.unsharded.grad = None
+        pending = collectives.reduce_scatter(send, self.group, self.world_size)
+        return PendingGradReduction(self, pending, had_grad)
+
+    def _all_reduce_grads(self) -> PendingGradReduction | None:
+        trainable = [p for p in self.replicated if p.requires_grad]
+        if not trainable:
+            return None
+        had_grad = [param.grad is not None for param in trainable]
+        with torch.no_grad():
+            flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in trainable])
+        return PendingGradReduction(self, collectives.all_reduce(flat, self.group, self.world_size), had_grad)
+
+    def accept_reduced_grads(self, reduced: torch.Tensor, had_grad: list[bool]) -> None:
+        """Hand each trainable parameter that had a gradient its slice of the reduced buffer (views: no copy)."""
+        offset = 0
+        if self.params:
+            for fsdp_param, arrived in zip((p for p in self.params if p.requires_grad), had_grad, strict=True):
+                numel = fsdp_param.layout.shard_numel
+                if arrived:
+                    fsdp_param.accumulate_sharded_grad(reduced[offset : offset + numel])
+                offset += numel
+            return
+        for param, arrived in zip((p for p in self.replicated if p.requires_grad), had_grad, strict=True):
+            if arrived:
+                param.grad = reduced[offset : offset + param.numel()].view_as(param)
+            offset += param.numel()

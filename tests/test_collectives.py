@@ -1,0 +1,69 @@
+"""The stateless collectives and the shard layout, tested without a model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_fsdp.engine import collectives
+from lightning_fsdp.engine.param import ShardLayout
+from tests.distributed import run_distributed
+
+# (rows, row shape): divisible, not divisible, fewer rows than ranks, a 0-dim tensor.
+SHAPES = [(8, (3,)), (7, (2, 2)), (3, ()), (None, ())]
+
+
+def _full(index: int, world_size: int) -> torch.Tensor:
+    rows, rest = SHAPES[index]
+    shape = () if rows is None else (rows, *rest)
+    return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) + 100 * index
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8])
+def test_layout_gives_every_row_to_exactly_one_rank(world_size: int, rows: int) -> None:
+    layouts = [ShardLayout.for_shape(torch.Size((rows, 2)), rank, world_size) for rank in range(world_size)]
+    owned = [row for layout in layouts for row in range(layout.start, layout.start + layout.local_rows)]
+    assert owned == list(range(rows))
+    assert {layout.shard_numel for layout in layouts} == {-(-rows // world_size) * 2}, "equal-sized shards"
+
+
+def _check_gather_and_reduce(rank: int, world_size: int) -> None:
+    group = torch.distributed.group.WORLD
+    fulls = [_full(i, world_size) for i in range(len(SHAPES))]
+    layouts = [ShardLayout.for_shape(full.shape, rank, world_size) for full in fulls]
+    shards = []
+    for full, layout in zip(fulls, layouts, strict=True):
+        padded = torch.zeros(layout.shard_numel)
+        local = full.reshape(-1)[
+            layout.start * layout.row_numel : (layout.start + layout.local_rows) * layout.row_numel
+        ]
+        padded[: local.numel()] = local
+        shards.append(padded)
+    # All-gather then unpack: every rank ends with every full tensor.
+    output = collectives.all_gather_shards(shards, group, world_size).wait()
+    assert output.numel() == world_size * sum(layout.shard_numel for layout in layouts), "one flat, padded buffer"
+    dests = [torch.full((layout.padded_numel,), -1.0) for layout in layouts]
+    collectives.unpack_all_gather(output, world_size, [layout.shard_numel for layout in layouts], dests)
+    for full, dest in zip(fulls, dests, strict=True):
+        assert torch.equal(dest[: full.numel()].view(full.shape), full)
+    # Reduce-scatter: rank r contributes (r + 1) * full; every rank keeps its rows of the sum.
+    by_rank = []
+    for full, layout in zip(fulls, layouts, strict=True):
+        padded = torch.zeros(layout.padded_numel)
+        padded[: full.numel()] = full.reshape(-1) * (rank + 1)
+        by_rank.append(padded.view(world_size, layout.shard_numel))
+    reduced = collectives.reduce_scatter(collectives.pack_for_reduce_scatter(by_rank), group, world_size).wait()
+    scale = world_size * (world_size + 1) / 2
+    offset = 0
+    for shard, layout in zip(shards, layouts, strict=True):
+        assert torch.equal(reduced[offset : offset + layout.shard_numel], shard * scale)
+        offset += layout.shard_numel
+    # All-reduce, in place.
+    flat = torch.full((5,), float(rank))
+    assert torch.equal(collectives.all_reduce(flat, group, world_size).wait(), torch.full((5,), scale - world_size))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gather_unpack_and_reduce_scatter_round_trip(world_size: int) -> None:
+    run_distributed(_check_gather_and_reduce, world_size)

@@ -1,0 +1,81 @@
+"""The multi-process helper must pass a correct run, and turn a failing or hanging rank into a fast, clear
+test failure with no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_distributed
+
+
+def _all_reduce_sums_ranks(rank: int, world_size: int, offset: float) -> None:
+    tensor = torch.tensor([rank + offset])
+    dist.all_reduce(tensor)
+    expected = sum(r + offset for r in range(world_size))
+    assert tensor.item() == expected, f"rank {rank}: all_reduce gave {tensor.item()}, expected {expected}"
+
+
+def _rank_one_raises(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("boom")
+    # Rank 0 waits in a collective rank 1 never enters: the helper must not wait for it to time out.
+    dist.barrier()
+
+
+def _rank_one_is_killed(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer would
+    dist.barrier()
+
+
+def _rank_zero_hangs(rank: int, world_size: int, pid_file: str) -> None:
+    if rank == 0:
+        Path(pid_file).write_text(str(os.getpid()))
+        time.sleep(1000)
+
+
+def test_all_reduce_on_two_ranks_passes() -> None:
+    run_distributed(_all_reduce_sums_ranks, 2, 10.0, timeout=60.0)
+
+
+def test_a_rank_that_raises_fails_fast_with_its_traceback() -> None:
+    start = time.monotonic()
+    # Rank 0's barrier fails too once rank 1 is gone; the cause must come first all the same.
+    with pytest.raises(RuntimeError, match=r"^rank 1 of 2 raised:") as info:
+        run_distributed(_rank_one_raises, 2, timeout=120.0)
+    message = str(info.value)
+    assert "ValueError: boom" in message
+    assert "_rank_one_raises" in message  # the rank's own traceback, not only the exception text
+    assert time.monotonic() - start < 60.0
+
+
+def test_a_rank_killed_by_a_signal_fails_fast() -> None:
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^rank 1 of 2 died: killed by signal SIGKILL"):
+        run_distributed(_rank_one_is_killed, 2, timeout=120.0)
+    assert time.monotonic() - start < 60.0
+
+
+def test_a_hanging_rank_is_killed_after_the_timeout(tmp_path: Path) -> None:
+    start = time.monotonic()
+    pid_file = tmp_path / "hanging_rank.pid"
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] did not finish within 10 s: probably a hang"):
+        run_distributed(_rank_zero_hangs, 2, str(pid_file), timeout=10.0)
+    assert time.monotonic() - start < 25.0
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not left sleeping
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_a_local_function_is_refused_before_spawning() -> None:
+    def local(rank: int, world_size: int) -> None:
+        pass
+
+    with pytest.raises(TypeError, match="module-level function"):
+        run_distributed(local, 2)

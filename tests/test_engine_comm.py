@@ -1,0 +1,78 @@
+"""Counted communication: one flat collective per unit per transition, with exactly the padded shard bytes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_fsdp import fully_shard
+from lightning_fsdp.demos.gpt import GPT, Block
+from lightning_fsdp.engine.comm_stats import CollectiveCounter
+from tests.distributed import run_distributed
+from tests.engine_harness import TINY_GPT
+
+FP32 = 4
+
+
+def _unit_shard_numels(model: GPT, world_size: int) -> list[int]:
+    """Per unit (blocks in order, then the root), the padded elements one rank packs: sum of ceil(rows/W) rows.
+
+    On gloo the reduce-scatter is an all-to-all of the (W, shard_sum) gradient buffer plus a local sum (see
+    [Note: reduce-scatter on gloo] in ``collectives.py``), so it is counted as "all_to_all".
+    """
+
+    def shard_numel(param: torch.Tensor) -> int:
+        rows = param.shape[0] if param.dim() else 1
+        return math.ceil(rows / world_size) * (param.numel() // rows if param.dim() else 1)
+
+    block_ids = {id(p) for block in model.blocks for p in block.parameters()}
+    per_block = [sum(shard_numel(p) for p in block.parameters()) for block in model.blocks]
+    root = sum(shard_numel(p) for p in model.parameters() if id(p) not in block_ids)  # the tied weight once
+    return [*per_block, root]
+
+
+def _count_one_step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> CollectiveCounter:
+    with CollectiveCounter() as counter:
+        model(*batch).backward()
+    return counter
+
+
+def _check_counts(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    tokens = torch.randint(0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size + 1))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    shard_numels = _unit_shard_numels(GPT(TINY_GPT), world_size)
+    units = len(shard_numels)
+    gather_bytes = sum(shard_numels) * FP32
+    block_gather_bytes = sum(shard_numels[:-1]) * FP32
+    reduce_bytes = world_size * sum(shard_numels) * FP32  # every rank's (W, shard_sum) send buffer
+    expected = {
+        # FULL_SHARD: every block gathered in forward and again in backward; the root once (kept for backward).
+        "FULL_SHARD": (
+            {"all_gather": 2 * (units - 1) + 1, "all_to_all": units},
+            {"all_gather": gather_bytes + block_gather_bytes, "all_to_all": reduce_bytes},
+        ),
+        "SHARD_GRAD_OP": (
+            {"all_gather": units, "all_to_all": units},
+            {"all_gather": gather_bytes, "all_to_all": reduce_bytes},
+        ),
+        "NO_SHARD": ({"all_reduce": units}, {"all_reduce": sum(p.numel() for p in GPT(TINY_GPT).parameters()) * FP32}),
+    }
+    for strategy, (counts, nbytes) in expected.items():
+        for prefetch in ("BACKWARD_PRE", "BACKWARD_POST", None):
+            torch.manual_seed(0)
+            model = fully_shard(GPT(TINY_GPT), {Block}, sharding_strategy=strategy, backward_prefetch=prefetch)
+            for step in range(2):  # the first step records the forward order; the second uses it
+                counter = _count_one_step(model, batch)
+                label = f"{strategy}, backward_prefetch={prefetch}, step {step}"
+                assert dict(counter.counts) == counts, f"[{label}] collectives {dict(counter.counts)} != {counts}"
+                assert dict(counter.bytes) == nbytes, f"[{label}] bytes {dict(counter.bytes)} != {nbytes}"
+                sizes = {e.group_size for e in counter.events}
+                assert sizes == {world_size}, f"[{label}] collectives ran on groups of sizes {sizes}"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_one_collective_per_unit_with_padded_shard_bytes(world_size: int) -> None:
+    run_distributed(_check_counts, world_size)

@@ -1,0 +1,160 @@
+"""The cases real models hit: shared parameters, re-entered and unused units, odd shapes, eval, full parameters."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fsdp import fully_shard, summon_full_params
+from lightning_fsdp.demos.gpt import GPT, Block
+from lightning_fsdp.engine.registry import fsdp_param_of, unit_of, units_under
+from lightning_fsdp.engine.unit import TrainingState
+from tests.distributed import run_distributed
+from tests.engine_harness import RTOL, TINY_GPT, Run, max_relative_error, run_parity
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+WIDTH = 12
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+class HalfUsedLayer(nn.Module):
+    """A unit that runs every step but one of whose parameters never gets a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(WIDTH, WIDTH)
+        self.spare = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+class Awkward(nn.Module):
+    """Every awkward case at once, for W=4.
+
+    ``repeat`` runs twice per forward; ``ignored`` runs but its output is dropped; ``never`` does not run;
+    ``partly`` has an unused parameter; ``scale`` is 0-dim; ``tiny`` has 3 rows (rank 3 of 4 holds none);
+    ``inp`` has 12 rows of 8 and ``out`` 5 rows (neither divisible by 4); ``offset`` is a buffer.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, WIDTH)
+        self.repeat = Layer()
+        self.ignored = Layer()
+        self.never = Layer()
+        self.partly = HalfUsedLayer()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.tiny = nn.Parameter(torch.randn(3, WIDTH) * 0.1)
+        self.out = nn.Linear(WIDTH, 5)
+        self.register_buffer("offset", torch.randn(WIDTH) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.repeat(self.repeat(self.inp(x)))
+        self.ignored(h)
+        h = self.partly(h) * self.scale + self.offset
+        h = h + (h @ self.tiny.t()).sum(dim=-1, keepdim=True)
+        return self.out(h)
+
+
+def _batch(step: int, world_size: int) -> torch.Tensor:
+    return torch.randn(3 * world_size, 8, generator=torch.Generator().manual_seed(step))
+
+
+def _check_awkward_model(rank: int, world_size: int) -> None:
+    for strategy in STRATEGIES:
+        torch.manual_seed(0)
+        reference = Awkward()
+        model = fully_shard(copy.deepcopy(reference), {Layer, HalfUsedLayer}, sharding_strategy=strategy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5, weight_decay=0.1)
+        ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-5, weight_decay=0.1)
+        for step in range(4):
+            x = _batch(step, world_size)
+            model(x[rank * 3 : (rank + 1) * 3]).pow(2).mean().backward()
+            reference(x).pow(2).mean().backward()
+            for (name, param), ref_param in zip(model.named_parameters(), reference.parameters(), strict=True):
+                assert (param.grad is None) == (ref_param.grad is None), f"[{strategy}] {name}: grad presence differs"
+            optimizer.step()
+            ref_optimizer.step()
+            optimizer.zero_grad()
+            ref_optimizer.zero_grad()
+            with torch.no_grad():  # an evaluation forward between steps gives the reference's output
+                error = max_relative_error(model(x)[rank * 3 : (rank + 1) * 3], reference(x)[rank * 3 : (rank + 1) * 3])
+            assert error < RTOL, f"[{strategy}] no_grad forward differs from the reference by {error:.2e}"
+            gathered = [unit for unit in units_under(model) if any(p.is_unsharded_allocated for p in unit.params)]
+            assert not gathered, f"[{strategy}] {gathered} left gathered after a no_grad forward"
+            assert all(u.training_state is TrainingState.IDLE for u in units_under(model))
+        assert torch.equal(model.offset, reference.offset), "buffers are not the engine's to touch"
+        with summon_full_params(model, writeback=False):
+            for (name, param), ref_param in zip(model.named_parameters(), reference.parameters(), strict=True):
+                error = max_relative_error(param.detach(), ref_param.detach())
+                assert error < RTOL, f"[{strategy}] {name}: relative error {error:.2e} after training"
+        if strategy != "NO_SHARD":
+            _check_shard_shapes(model, reference, rank, world_size)
+
+
+def _check_shard_shapes(model: nn.Module, reference: nn.Module, rank: int, world_size: int) -> None:
+    """``model.parameters()`` are the shards: rows [r*c, (r+1)*c), some empty, and together the whole model."""
+    local = dict(model.named_parameters())
+    assert local["tiny"].shape == ((1 if rank < 3 else 0), WIDTH), f"rank {rank}: tiny is {tuple(local['tiny'].shape)}"
+    assert local["scale"].shape == ((1 if rank == 0 else 0),), f"rank {rank}: scale is {tuple(local['scale'].shape)}"
+    assert local["out.weight"].shape == ((2 if rank < 2 else 1 if rank == 2 else 0), WIDTH)
+    total = torch.tensor(sum(p.numel() for p in model.parameters()))
+    dist.all_reduce(total)
+    assert total.item() == sum(p.numel() for p in reference.parameters())
+
+
+def _check_tied_and_nested_units(rank: int, world_size: int) -> None:
+    # The embedding and every Linear (inside blocks too) are units of their own; the head's weight is the
+    # embedding's, so it belongs to their common ancestor -- the root -- and stays one parameter.
+    policy = {Block, nn.Embedding, nn.Linear}
+    model = fully_shard(GPT(TINY_GPT), policy)
+    assert model.wte.weight is model.lm_head.weight, "weight tying was broken by sharding"
+    assert unit_of(model.wte) is None and unit_of(model.lm_head) is None, "a unit owns a parameter shared outside it"
+    assert fsdp_param_of(model.wte.weight).owners == [(model.wte, "weight"), (model.lm_head, "weight")]
+    assert unit_of(model.blocks[0].attn.qkv) is not None, "nested units inside a block were not formed"
+    for strategy in STRATEGIES:
+        run_parity(rank, world_size, Run(shard={"policy": policy, "sharding_strategy": strategy}, steps=3))
+
+
+def _check_summon_full_params(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    reference = GPT(TINY_GPT)
+    model = fully_shard(copy.deepcopy(reference), {Block})
+    with summon_full_params(model), torch.no_grad():
+        assert model.blocks[1].mlp.fc.weight.shape == reference.blocks[1].mlp.fc.weight.shape
+        assert torch.equal(model.blocks[1].mlp.fc.weight, reference.blocks[1].mlp.fc.weight)
+        model.blocks[1].mlp.fc.weight.mul_(0.5)  # an edit that must stick
+    with summon_full_params(model, writeback=False), torch.no_grad():
+        assert torch.equal(model.blocks[1].mlp.fc.weight, reference.blocks[1].mlp.fc.weight * 0.5)
+        model.blocks[1].mlp.fc.weight.zero_()  # an edit that must not
+    with summon_full_params(model):
+        assert torch.equal(model.blocks[1].mlp.fc.weight, reference.blocks[1].mlp.fc.weight * 0.5)
+        full_state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert full_state.keys() == reference.state_dict().keys()
+    assert model.blocks[1].mlp.fc.weight.shape[0] < reference.blocks[1].mlp.fc.weight.shape[0], "shards again"
+
+
+def test_awkward_model_parity_and_shapes_on_four_ranks() -> None:
+    run_distributed(_check_awkward_model, 4)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tied_weights_and_nested_units(world_size: int) -> None:
+    run_distributed(_check_tied_and_nested_units, world_size)
+
+
+def test_summon_full_params_reads_and_writes_back() -> None:
+    run_distributed(_check_summon_full_params, 2)

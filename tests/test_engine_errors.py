@@ -1,0 +1,79 @@
+"""Bad input gets one sentence that names the problem and the fix, before anything is changed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fsdp import fully_shard
+from lightning_fsdp.demos.gpt import GPT, Block
+from tests.engine_harness import TINY_GPT
+
+
+def test_uninitialized_process_group_is_refused() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fully_shard(GPT(TINY_GPT), {Block})
+
+
+@pytest.fixture
+def single_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A real one-rank gloo group in the test process: enough for input checks that cross no rank."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("single_rank_group")
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sharding_strategy": "ZERO3"}, r"sharding_strategy='ZERO3' is not supported; use one of 'FULL_SHARD'"),
+        ({"backward_prefetch": "EARLY"}, r"backward_prefetch='EARLY' is not supported; use one of 'BACKWARD_PRE'"),
+        ({"policy": {nn.Conv2d}}, r"selects no submodule of GPT.*candidates: .*Block"),
+        ({"policy": {"Block"}}, r"must hold nn.Module subclasses"),
+    ],
+)
+def test_bad_arguments_are_refused_before_sharding(kwargs: dict, message: str) -> None:
+    model = GPT(TINY_GPT)
+    shapes = [p.shape for p in model.parameters()]
+    with pytest.raises((ValueError, TypeError), match=message):
+        fully_shard(model, **{"policy": {Block}, **kwargs})
+    assert [p.shape for p in model.parameters()] == shapes, "a refused call left the model half-sharded"
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_sharding_twice_is_refused() -> None:
+    model = fully_shard(GPT(TINY_GPT), {Block})
+    with pytest.raises(ValueError, match="already sharded"):
+        fully_shard(model)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_mixed_dtypes_in_one_unit_are_refused_with_the_odd_parameter_named() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].bias.data = model[1].bias.data.double()
+    with pytest.raises(ValueError, match=r"different dtypes.*1\.bias"):
+        fully_shard(model)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_one_rank_computes_what_the_plain_model_computes() -> None:
+    torch.manual_seed(0)
+    reference = GPT(TINY_GPT)
+    torch.manual_seed(0)
+    model = fully_shard(GPT(TINY_GPT), {Block})
+    tokens = torch.randint(0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size + 1))
+    loss, ref_loss = model(tokens[:, :-1], tokens[:, 1:]), reference(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param.grad, ref_param.grad, msg=f"{name}: gradient differs")

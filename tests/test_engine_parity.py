@@ -1,0 +1,50 @@
+"""The engine's central claim: training sharded equals training unsharded, for every strategy and option."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.engine_harness import Run, run_parity
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+
+
+def _option_matrix() -> list[Run]:
+    runs = [
+        Run(shard={"sharding_strategy": s, "backward_prefetch": p, "limit_all_gathers": limit})
+        for s, p, limit in itertools.product(STRATEGIES, ("BACKWARD_PRE", "BACKWARD_POST", None), (True, False))
+    ]
+    runs += [Run(shard={"sharding_strategy": s, "forward_prefetch": True}, steps=4) for s in STRATEGIES]
+    return runs
+
+
+def _accumulation_and_clipping() -> list[Run]:
+    runs = []
+    for strategy in STRATEGIES:
+        shard = {"sharding_strategy": strategy}
+        runs += [
+            Run(shard=shard, steps=3, accumulate=2),
+            Run(shard=shard, steps=3, accumulate=2, skip_sync=True),
+            Run(shard=shard, clip_norm=0.05),
+            Run(shard=shard, clip_norm=0.01, norm_type=float("inf")),
+            Run(shard=shard, param_groups=True),
+        ]
+    return runs
+
+
+def _run_all(rank: int, world_size: int, runs: list[Run]) -> None:
+    for run in runs:
+        run_parity(rank, world_size, run)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parity_every_strategy_and_prefetch_option(world_size: int) -> None:
+    run_distributed(_run_all, world_size, _option_matrix(), timeout=600)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parity_gradient_accumulation_clipping_and_param_groups(world_size: int) -> None:
+    run_distributed(_run_all, world_size, _accumulation_and_clipping(), timeout=600)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fsdp import clip_grad_norm_, fully_shard, no_sync, summon_full_params
+from lightning_fsdp import clip_grad_norm_, clip_grad_value_, fully_shard, no_sync, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
 
 RTOL = 1e-5
@@ -42,6 +42,7 @@ class Run:
     skip_sync: bool = False  # use no_sync on all but the last micro-batch
     clip_norm: float | None = None
     norm_type: float = 2.0
+    clip_value: float | None = None
     param_groups: bool = False
     local_batch: int = 2
     config: GPTConfig = TINY_GPT
@@ -52,6 +53,8 @@ class Run:
             extras.append(f"accumulate={self.accumulate}{' no_sync' if self.skip_sync else ''}")
         if self.clip_norm is not None:
             extras.append(f"clip={self.clip_norm} p={self.norm_type}")
+        if self.clip_value is not None:
+            extras.append(f"clip_value={self.clip_value}")
         if self.param_groups:
             extras.append("two param groups")
         return ", ".join(extras) or "defaults"
@@ -97,6 +100,9 @@ def run_parity(rank: int, world_size: int, run: Run) -> None:
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), run.clip_norm, run.norm_type)
             error = abs(norm.item() - ref_norm.item()) / ref_norm.item()
             assert error < RTOL, f"[{run.label()}] step {step}: total norm {norm.item()} != {ref_norm.item()}"
+        if run.clip_value is not None:
+            clip_grad_value_(model.parameters(), run.clip_value)
+            torch.nn.utils.clip_grad_value_(reference.parameters(), run.clip_value)
         optimizer.step()
         ref_optimizer.step()
         optimizer.zero_grad()

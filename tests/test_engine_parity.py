@@ -30,6 +30,7 @@ def _accumulation_and_clipping() -> list[Run]:
             Run(shard=shard, steps=3, accumulate=2, skip_sync=True),
             Run(shard=shard, clip_norm=0.05),
             Run(shard=shard, clip_norm=0.01, norm_type=float("inf")),
+            Run(shard=shard, clip_value=1e-3),
             Run(shard=shard, param_groups=True),
         ]
     return runs

@@ -2,7 +2,9 @@
 
 from lightning_fsdp.engine import (
     BackwardPrefetch,
+    MixedPrecision,
     ShardingStrategy,
+    apply_activation_checkpointing,
     clip_grad_norm_,
     clip_grad_value_,
     fully_shard,
@@ -14,7 +16,9 @@ from lightning_fsdp.engine import (
 
 __all__ = [
     "BackwardPrefetch",
+    "MixedPrecision",
     "ShardingStrategy",
+    "apply_activation_checkpointing",
     "clip_grad_norm_",
     "clip_grad_value_",
     "fully_shard",

@@ -21,7 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fsdp import clip_grad_norm_, clip_grad_value_, fully_shard, no_sync, summon_full_params
+from lightning_fsdp import (
+    apply_activation_checkpointing,
+    clip_grad_norm_,
+    clip_grad_value_,
+    fully_shard,
+    no_sync,
+    summon_full_params,
+)
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
 
 RTOL = 1e-5
@@ -44,6 +51,8 @@ class Run:
     norm_type: float = 2.0
     clip_value: float | None = None
     param_groups: bool = False
+    freeze: tuple[str, ...] = ()  # name prefixes of parameters trained frozen (requires_grad=False)
+    checkpointing: bool = False  # activation checkpointing of every Block
     local_batch: int = 2
     config: GPTConfig = TINY_GPT
 
@@ -57,6 +66,10 @@ class Run:
             extras.append(f"clip_value={self.clip_value}")
         if self.param_groups:
             extras.append("two param groups")
+        if self.freeze:
+            extras.append(f"frozen {self.freeze}")
+        if self.checkpointing:
+            extras.append("activation checkpointing")
         return ", ".join(extras) or "defaults"
 
 
@@ -80,8 +93,13 @@ def run_parity(rank: int, world_size: int, run: Run) -> None:
     """Train sharded and unsharded side by side and assert weights (and clipped norms) agree."""
     torch.manual_seed(0)
     reference = GPT(run.config)
+    for name, param in reference.named_parameters():
+        param.requires_grad_(not name.startswith(run.freeze) if run.freeze else True)
+    frozen_before = {n: p.detach().clone() for n, p in reference.named_parameters() if not p.requires_grad}
     model = copy.deepcopy(reference)
     fully_shard(model, **{"policy": {Block}, **run.shard})
+    if run.checkpointing:
+        apply_activation_checkpointing(model, {Block})
     optimizer = make_optimizer(model, run.param_groups)
     ref_optimizer = make_optimizer(reference, run.param_groups)
     data = torch.Generator().manual_seed(1)
@@ -108,6 +126,11 @@ def run_parity(rank: int, world_size: int, run: Run) -> None:
         optimizer.zero_grad()
         ref_optimizer.zero_grad()
     assert_same_weights(model, reference, run.label())
+    with summon_full_params(model, writeback=False):
+        for name, param in model.named_parameters():
+            if name in frozen_before:
+                assert torch.equal(param, frozen_before[name]), f"[{run.label()}] frozen {name} changed"
+                assert param.grad is None, f"[{run.label()}] frozen {name} has a gradient"
 
 
 def assert_same_weights(model: nn.Module, reference: nn.Module, label: str) -> None:

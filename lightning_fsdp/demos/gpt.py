@@ -1,9 +1,10 @@
 """A small GPT (pre-LN blocks, tied embedding and head), the model every example, test and benchmark uses.
 
 It is deliberately the shape that stresses a sharding engine: the token embedding is shared with the output
-head (a parameter used by two modules), every block is a natural sharding unit, a causal-mask buffer lives in
-each attention module, and all initialisation happens in ``reset_parameters`` so that a model built on the
-meta device can be materialised unit by unit.
+head (a parameter used by two modules) and every block is a natural sharding unit. All initialisation lives in
+each module's own ``reset_parameters`` (``GPTLinear`` and ``GPTEmbedding`` carry GPT-2's normal(0, 0.02), the
+residual projections scaled down by depth), so a model built on the meta device and materialised module by
+module, in module order, gets exactly the values an eager build from the same seed gets.
 """
 
 from __future__ import annotations
@@ -27,33 +28,56 @@ class GPTConfig:
     bias: bool = True
 
 
+INIT_STD = 0.02
+
+
+class GPTLinear(nn.Linear):
+    """A linear layer initialised as GPT-2 does: normal(0, std) weights, zero bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, std: float = INIT_STD) -> None:
+        self.std = std  # set before nn.Linear.__init__, which calls reset_parameters
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class GPTEmbedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
+
+
+def residual_std(config: GPTConfig) -> float:
+    """GPT-2 scales the projections that write into the residual stream down by the depth."""
+    return INIT_STD / math.sqrt(2 * config.n_layer)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-        mask = torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool))
-        self.register_buffer("causal_mask", mask.view(1, 1, config.block_size, config.block_size), persistent=False)
+        self.dropout = config.dropout
+        self.qkv = GPTLinear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = GPTLinear(config.n_embd, config.n_embd, bias=config.bias, std=residual_std(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, embd = x.shape
         q, k, v = self.qkv(x).split(embd, dim=2)
         # (batch, seq, embd) -> (batch, head, seq, head_dim)
         q, k, v = (t.view(batch, seq, self.n_head, embd // self.n_head).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(~self.causal_mask[:, :, :seq, :seq], float("-inf"))
-        att = self.dropout(F.softmax(att, dim=-1))
-        y = (att @ v).transpose(1, 2).contiguous().view(batch, seq, embd)
-        return self.dropout(self.proj(y))
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(batch, seq, embd)
+        return F.dropout(self.proj(y), p=dropout)
 
 
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.fc = GPTLinear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = GPTLinear(4 * config.n_embd, config.n_embd, bias=config.bias, std=residual_std(config))
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,27 +103,13 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.wte = GPTEmbedding(config.vocab_size, config.n_embd)
+        self.wpe = GPTEmbedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying: one parameter, two modules
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """GPT-2 initialisation; the residual projections are scaled down by the depth."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        for name, param in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of shape (batch, seq, vocab), or the mean cross-entropy loss when ``targets`` is given."""

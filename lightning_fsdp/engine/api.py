@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_fsdp.engine import hooks
-from lightning_fsdp.engine.options import BackwardPrefetch, ShardingOptions, ShardingStrategy
+from lightning_fsdp.engine.deferred_init import ParamInitFn, check_initializable, has_meta_tensors, materialize
+from lightning_fsdp.engine.groups import Groups, resolve_groups
+from lightning_fsdp.engine.options import BackwardPrefetch, MixedPrecision, ShardingOptions, ShardingStrategy
 from lightning_fsdp.engine.ownership import OwnedParam, assign_params
 from lightning_fsdp.engine.param import FSDPParam
 from lightning_fsdp.engine.policies import PolicyLike, as_wrap_policy, select_unit_modules
@@ -23,9 +28,17 @@ def fully_shard(
     *,
     sharding_strategy: str | ShardingStrategy = "FULL_SHARD",
     process_group: ProcessGroup | None = None,
+    device_mesh: DeviceMesh | tuple[int, int] | None = None,
     backward_prefetch: str | BackwardPrefetch | None = "BACKWARD_PRE",
     forward_prefetch: bool = False,
     limit_all_gathers: bool = True,
+    mixed_precision: MixedPrecision | None = None,
+    cpu_offload: bool = False,
+    device: torch.device | str | None = None,
+    param_init_fn: ParamInitFn | None = None,
+    sync_module_states: bool = False,
+    ignored_modules: Iterable[nn.Module] = (),
+    ignored_params: Iterable[nn.Parameter] = (),
 ) -> nn.Module:
     """Shard ``module`` in place across the ranks of ``process_group`` and return it.
 
@@ -35,65 +48,169 @@ def fully_shard(
     forward and backward with one all-gather and reduces its gradients with one reduce-scatter.
 
     Args:
-        module: the model, on the device it will train on.
+        module: the model, on the device it will train on, or on the meta device (deferred init).
         policy: a set of module classes, a callable ``(module, recurse, nonwrapped_numel) -> bool`` (torch's
             auto-wrap protocol), or None for a single unit.
         sharding_strategy: ``"FULL_SHARD"`` (re-gather in backward), ``"SHARD_GRAD_OP"`` (keep gathered parameters
-            until backward ends) or ``"NO_SHARD"`` (replicate; all-reduce gradients).
+            until backward ends), ``"NO_SHARD"`` (replicate; all-reduce gradients) or ``"HYBRID_SHARD"``
+            (FULL_SHARD within each shard group of ``device_mesh``, gradients also all-reduced across replicas).
         process_group: the ranks to shard over; the default group when None.
+        device_mesh: HYBRID_SHARD only: a 2-D DeviceMesh (replicate, shard) or its sizes.
         backward_prefetch: gather the unit backward reaches next when the current one's backward starts
             (``"BACKWARD_PRE"``) or ends (``"BACKWARD_POST"``); None to gather on demand.
         forward_prefetch: gather the next unit of the forward order (recorded in the first step) ahead of time.
         limit_all_gathers: allow at most two units to be gathered ahead of their use.
+        mixed_precision: dtypes for the gathered parameters, the gradient reduction and the buffers; the shards
+            (the optimizer's master weights) keep their own dtype.
+        cpu_offload: keep the shards and their gradients in CPU memory (the optimizer steps there); each unshard
+            copies the shard to the compute device first. On a CPU-only run it changes nothing.
+        device: where a meta-device model is materialised; the current CUDA device under NCCL, else the CPU.
+        param_init_fn: initialises one materialised module's own tensors; ``reset_parameters()`` when None.
+        sync_module_states: broadcast rank 0's parameters and buffers before sharding, so every rank starts equal.
+        ignored_modules, ignored_params: left whole, on every rank, and untouched by the engine (their gradients
+            are not reduced either).
     """
-    options = ShardingOptions.parse(sharding_strategy, backward_prefetch, forward_prefetch, limit_all_gathers)
-    group = _resolve_group(process_group)
+    options = ShardingOptions.parse(
+        sharding_strategy, backward_prefetch, forward_prefetch, limit_all_gathers, mixed_precision, cpu_offload
+    )
+    groups = resolve_groups(options.sharding_strategy, process_group, device_mesh)
     if unit_of(module) is not None:
         raise ValueError(f"{type(module).__name__} is already sharded; call fully_shard once per module.")
+    ignored_module_ids = {id(m) for root in ignored_modules for m in root.modules()}
+    ignored_param_ids = {id(p) for p in ignored_params} | {
+        id(p) for m in module.modules() if id(m) in ignored_module_ids for p in m.parameters(recurse=False)
+    }
     wrap_policy = as_wrap_policy(policy)
-    children = select_unit_modules(module, wrap_policy, _is_unit) if wrap_policy is not None else []
+    is_unit = lambda m: unit_of(m) is not None  # noqa: E731
+    children = (
+        select_unit_modules(module, wrap_policy, is_unit, lambda m: id(m) in ignored_module_ids)
+        if wrap_policy is not None
+        else []
+    )
     if wrap_policy is not None and not children:
         raise ValueError(_policy_wraps_nothing(module, wrap_policy))
+    deferred = has_meta_tensors(module)
+    if deferred:
+        check_initializable(module, param_init_fn)
     existing_units = units_under(module)
     new_units = {id(m) for m in (*children, module)}
     assignment = assign_params(
         module,
-        is_unit_module=lambda m: id(m) in new_units or unit_of(m) is not None,
-        skip=lambda p: fsdp_param_of(p) is not None,
+        is_unit_module=lambda m: id(m) in new_units or is_unit(m),
+        skip=lambda p: fsdp_param_of(p) is not None or id(p) in ignored_param_ids,
     )
+    builder = _UnitBuilder(assignment, groups, options, sync_module_states)
     for unit_module in (*children, module):
-        owned = assignment.get(unit_module, [])
-        if owned or unit_module is module:
-            _make_unit(unit_module, owned, group, options)
+        if unit_module is module or assignment.get(unit_module):
+            builder.expect(unit_module)
+    if deferred:
+        owners_of = {id(o.param): o.owners for owned in assignment.values() for o in owned}
+        materialize(module, _materialize_device(device, groups), param_init_fn, owners_of, builder.param_ready)
+    builder.build_remaining()
+    if sync_module_states:
+        _broadcast_buffers(module, groups.sync)
+    if options.mixed_precision.buffer_dtype is not None:
+        _cast_buffers(module, options.mixed_precision.buffer_dtype)
     for unit in existing_units:
         unit.context = None  # the new root claims them at its first forward
     return module
 
 
-def _is_unit(module: nn.Module) -> bool:
-    return unit_of(module) is not None
+class _UnitBuilder:
+    """Builds each unit as soon as all its parameters are real: at once, or when deferred init reaches them."""
+
+    def __init__(
+        self,
+        assignment: dict[nn.Module, list[OwnedParam]],
+        groups: Groups,
+        options: ShardingOptions,
+        sync_module_states: bool,
+    ) -> None:
+        self.assignment = assignment
+        self.groups = groups
+        self.options = options
+        self.sync_module_states = sync_module_states
+        self._pending: dict[int, int] = {}  # id(unit module) -> parameters still on the meta device
+        self._unit_of_param: dict[int, nn.Module] = {}
+        self._order: list[nn.Module] = []
+
+    def expect(self, unit_module: nn.Module) -> None:
+        owned = self.assignment.get(unit_module, [])
+        self._order.append(unit_module)
+        self._pending[id(unit_module)] = sum(o.param.is_meta for o in owned)
+        for o in owned:
+            self._unit_of_param[id(o.param)] = unit_module
+
+    def param_ready(self, meta: nn.Parameter, real: nn.Parameter) -> None:
+        unit_module = self._unit_of_param.get(id(meta))
+        if unit_module is None:  # an ignored parameter
+            return
+        for o in self.assignment[unit_module]:
+            if o.param is meta:
+                o.param = real
+        self._pending[id(unit_module)] -= 1
+        if self._pending[id(unit_module)] == 0:
+            self._build(unit_module)
+
+    def build_remaining(self) -> None:
+        for unit_module in self._order:
+            if self._pending.get(id(unit_module)) == 0 and unit_of(unit_module) is None:
+                self._build(unit_module)
+
+    def _build(self, unit_module: nn.Module) -> None:
+        owned = self.assignment.get(unit_module, [])
+        _check_uniform(unit_module, owned)
+        if self.sync_module_states:
+            _broadcast_params([o.param for o in owned], self.groups.sync)
+        if self.options.keeps_replicas_in_place:
+            unit = FSDPUnit(unit_module, [], [o.param for o in owned], self.groups.as_pair(), self.options)
+        else:
+            param_dtype = self.options.mixed_precision.param_dtype
+            offload = self.options.cpu_offload
+            shard_group = self.groups.shard
+            params = [FSDPParam(o.param, o.fqn, o.owners, shard_group, param_dtype, offload) for o in owned]
+            for fsdp_param in params:
+                fsdp_param.register_sharded()
+            unit = FSDPUnit(unit_module, params, [], self.groups.as_pair(), self.options)
+        register_unit(unit)
+        hooks.install_hooks(unit)
 
 
-def _resolve_group(process_group: ProcessGroup | None) -> ProcessGroup:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "fully_shard needs torch.distributed to be initialized: call torch.distributed.init_process_group() "
-            "first, or launch the script with torchrun."
-        )
-    return process_group if process_group is not None else dist.group.WORLD
+def _materialize_device(device: torch.device | str | None, groups: Groups) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if dist.get_backend(groups.sync) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
-def _make_unit(module: nn.Module, owned: list[OwnedParam], group: ProcessGroup, options: ShardingOptions) -> None:
-    _check_uniform(module, owned)
-    if options.shards_parameters:
-        params = [FSDPParam(o.param, o.fqn, o.owners, group) for o in owned]
-        for fsdp_param in params:
-            fsdp_param.register_sharded()
-        unit = FSDPUnit(module, params, [], group, options)
-    else:
-        unit = FSDPUnit(module, [], [o.param for o in owned], group, options)
-    register_unit(unit)
-    hooks.install_hooks(unit)
+def _broadcast_params(params: list[torch.Tensor], group: ProcessGroup) -> None:
+    """One broadcast of a unit's parameters from the group's first rank, packed flat (grouped by dtype)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in params:
+        by_dtype.setdefault(param.dtype, []).append(param)
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensors in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for tensor in tensors:
+                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+
+
+def _broadcast_buffers(module: nn.Module, group: ProcessGroup) -> None:
+    buffers = [b for b in module.buffers() if b.numel() > 0]
+    if buffers:
+        _broadcast_params(buffers, group)
+
+
+def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    for submodule in module.modules():
+        for name, buffer in submodule._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                submodule._buffers[name] = buffer.to(dtype)
 
 
 def _check_uniform(module: nn.Module, owned: list[OwnedParam]) -> None:

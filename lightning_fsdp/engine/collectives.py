@@ -41,9 +41,13 @@ class PendingAllGather:
         return self.output
 
 
-def all_gather_shards(shards: list[torch.Tensor], group: ProcessGroup, world_size: int) -> PendingAllGather:
-    """Pack this rank's (padded) shards into one buffer and all-gather it asynchronously."""
+def all_gather_shards(
+    shards: list[torch.Tensor], group: ProcessGroup | None, world_size: int, dtype: torch.dtype | None = None
+) -> PendingAllGather:
+    """Pack this rank's (padded) shards into one buffer, cast to ``dtype``, and all-gather it asynchronously."""
     send = torch.cat([shard.reshape(-1) for shard in shards])
+    if dtype is not None and send.dtype != dtype:
+        send = send.to(dtype)
     output = send.new_empty(world_size * send.numel())
     if world_size == 1:
         output.copy_(send)
@@ -89,9 +93,9 @@ class PendingReduceScatter:
         return self.buffer
 
 
-def reduce_scatter(send: torch.Tensor, group: ProcessGroup, world_size: int) -> PendingReduceScatter:
+def reduce_scatter(send: torch.Tensor, group: ProcessGroup | None, world_size: int) -> PendingReduceScatter:
     """Sum a (world_size, shard_sum) buffer over ranks and keep row ``rank`` of the sum, asynchronously."""
-    if world_size == 1:
+    if world_size == 1 or group is None:
         return PendingReduceScatter(send.view(-1), None, needs_local_sum=False)
     if _is_gloo(group):  # see [Note: reduce-scatter on gloo]
         received = torch.empty_like(send)

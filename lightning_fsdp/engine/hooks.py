@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_fsdp.engine.options import BackwardPrefetch
 from lightning_fsdp.engine.registry import units_under
@@ -52,7 +52,7 @@ class RootContext:
     def lazy_init(self) -> None:
         """Claim every unit under the root. Safe to call again: it only re-reads which units exist."""
         self.units = units_under(self.root.module)
-        groups = {id(unit.group) for unit in self.units}
+        groups = {(id(unit.shard_group), id(unit.replicate_group)) for unit in self.units}
         if len(groups) > 1:
             raise ValueError(
                 "units under one root use different process groups; pass the same process_group to every "
@@ -133,17 +133,27 @@ def context_of(unit: FSDPUnit) -> RootContext:
 # ----- stages 1-3: forward -----------------------------------------------------------------------------------------
 
 
-def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) -> None:
+def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     context = context_of(unit)
     if unit.training_state is TrainingState.PRE_BACKWARD:  # recomputation under activation checkpointing
         unit.wait_for_unshard()
-        return
+        return None
     unit.training_state = TrainingState.FORWARD
     if torch.is_grad_enabled():
         context.record_forward(unit)
         unit.grads_expected = unit.num_trainable()
     forward_next = context.neighbour(unit, +1) if unit.options.forward_prefetch and context.order_frozen else None
     context.unshard_for_use(unit, forward_next)
+    if torch.is_grad_enabled():
+        _hook_trainable_params(unit)
+    precision = unit.options.mixed_precision
+    if precision.cast_forward_inputs and precision.param_dtype is not None:
+        return _cast_floating(args, precision.param_dtype), _cast_floating(kwargs, precision.param_dtype)
+    return None
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
 def post_forward(unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -190,11 +200,19 @@ def post_backward(unit: FSDPUnit) -> None:
     unit.training_state = TrainingState.POST_BACKWARD
 
 
+def _hook_trainable_params(unit: FSDPUnit) -> None:
+    """Hook each parameter the first time it is trainable (frozen ones cannot be hooked; they may thaw later)."""
+    if len(unit.hooked_params) == unit.grads_expected:
+        return
+    for param in unit.grad_params():
+        if param.requires_grad and id(param) not in unit.hooked_params:
+            param.register_post_accumulate_grad_hook(lambda _param: on_grad_accumulated(unit))
+            unit.hooked_params.add(id(param))
+
+
 def install_hooks(unit: FSDPUnit) -> None:
     """Registered once per unit; nothing is re-registered per step except the hook on each forward's outputs."""
     unit.module.register_forward_pre_hook(
         lambda module, args, kwargs: pre_forward(unit, module, args, kwargs), with_kwargs=True
     )
     unit.module.register_forward_hook(lambda module, args, output: post_forward(unit, module, args, output))
-    for param in unit.grad_params():
-        param.register_post_accumulate_grad_hook(lambda _param: on_grad_accumulated(unit))

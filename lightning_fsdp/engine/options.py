@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+import torch
+
 
 class ShardingStrategy(Enum):
     FULL_SHARD = "FULL_SHARD"  # parameters re-gathered in backward; ZeRO-3
     SHARD_GRAD_OP = "SHARD_GRAD_OP"  # parameters kept unsharded from forward to the end of backward; ZeRO-2
     NO_SHARD = "NO_SHARD"  # replicated parameters, all-reduced gradients; DDP
+    HYBRID_SHARD = "HYBRID_SHARD"  # FULL_SHARD inside each shard group, replicated across groups
 
 
 class BackwardPrefetch(Enum):
@@ -27,6 +30,34 @@ def _parse_enum(enum: type[Enum], value: object, argument: str) -> Enum:
 
 
 @dataclass(frozen=True)
+class MixedPrecision:
+    """Which dtypes the gathered parameters, the gradient reduction and the buffers use.
+
+    The sharded parameters -- what the optimizer steps -- always stay in their own dtype (fp32 master weights);
+    ``param_dtype`` is the dtype of the all-gather and of the full parameters forward and backward compute with,
+    so bf16 halves the gathered bytes. Gradients are reduced in ``reduce_dtype`` (``param_dtype`` when None) and
+    accumulated into the shards' ``.grad`` in the shards' dtype. Floating-point buffers are cast to
+    ``buffer_dtype`` once, at the first forward. ``cast_forward_inputs`` casts floating-point tensors passed to
+    each unit's forward to ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise ValueError(f"MixedPrecision.{name}={value!r} must be a floating-point torch.dtype or None.")
+
+    @property
+    def effective_reduce_dtype(self) -> torch.dtype | None:
+        return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
+
+
+@dataclass(frozen=True)
 class ShardingOptions:
     """Everything a unit needs to know about how it shards, shared by all units of one ``fully_shard`` call."""
 
@@ -34,6 +65,8 @@ class ShardingOptions:
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = False
     limit_all_gathers: bool = True
+    mixed_precision: MixedPrecision = MixedPrecision()
+    cpu_offload: bool = False
 
     @staticmethod
     def parse(
@@ -41,17 +74,35 @@ class ShardingOptions:
         backward_prefetch: str | BackwardPrefetch | None,
         forward_prefetch: bool,
         limit_all_gathers: bool,
+        mixed_precision: MixedPrecision | None,
+        cpu_offload: bool,
     ) -> ShardingOptions:
         strategy = _parse_enum(ShardingStrategy, sharding_strategy, "sharding_strategy")
         prefetch = (
             None if backward_prefetch is None else _parse_enum(BackwardPrefetch, backward_prefetch, "backward_prefetch")
         )
-        return ShardingOptions(strategy, prefetch, bool(forward_prefetch), bool(limit_all_gathers))
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(
+                f"mixed_precision must be a lightning_fsdp.MixedPrecision, got {type(mixed_precision).__name__}."
+            )
+        return ShardingOptions(
+            strategy,
+            prefetch,
+            bool(forward_prefetch),
+            bool(limit_all_gathers),
+            mixed_precision or MixedPrecision(),
+            bool(cpu_offload),
+        )
 
     @property
-    def shards_parameters(self) -> bool:
-        return self.sharding_strategy is not ShardingStrategy.NO_SHARD
+    def keeps_replicas_in_place(self) -> bool:
+        """NO_SHARD in the parameters' own dtype: forward uses the registered parameters themselves, no copy."""
+        return (
+            self.sharding_strategy is ShardingStrategy.NO_SHARD
+            and self.mixed_precision.param_dtype is None
+            and not self.cpu_offload
+        )
 
     @property
     def reshard_after_forward(self) -> bool:
-        return self.sharding_strategy is ShardingStrategy.FULL_SHARD
+        return self.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)

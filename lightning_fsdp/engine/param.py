@@ -57,25 +57,41 @@ class FSDPParam:
     """A sharded parameter: the registered local shard, and the full tensor materialised on demand.
 
     ``owners`` lists every (module, attribute) that registers the parameter, so that a parameter shared by two
-    modules (a tied embedding and output head) is swapped on both at once.
+    modules (a tied embedding and output head) is swapped on both at once. ``shard_group`` is None for a
+    parameter kept whole on every rank (NO_SHARD under mixed precision or offload): a "shard" of all rows.
+    The shard lives on ``shard_device`` (the CPU under offload) in the parameter's own dtype -- the master
+    weights -- while the full tensor lives on ``compute_device`` in ``param_dtype``.
     """
 
-    def __init__(self, param: nn.Parameter, fqn: str, owners: list[tuple[nn.Module, str]], group: ProcessGroup):
+    def __init__(
+        self,
+        param: nn.Parameter,
+        fqn: str,
+        owners: list[tuple[nn.Module, str]],
+        shard_group: ProcessGroup | None,
+        param_dtype: torch.dtype | None = None,
+        offload: bool = False,
+    ):
         self.fqn = fqn
         self.owners = owners
-        self.group = group  # the ranks the rows are spread over
+        self.group = shard_group  # the ranks the rows are spread over
         self.shape = param.shape
-        self.layout = ShardLayout.for_shape(param.shape, dist.get_rank(group), group.size())
+        rank, world_size = (dist.get_rank(shard_group), shard_group.size()) if shard_group is not None else (0, 1)
+        self.layout = ShardLayout.for_shape(param.shape, rank, world_size)
         layout = self.layout
+        self.compute_device = param.device
+        shard_device = torch.device("cpu") if offload else param.device
+        pin = offload and param.device.type == "cuda"
         # The padded local shard: what this rank packs into the unit's all-gather. Padding rows stay zero.
-        self._padded_shard = torch.zeros(layout.shard_numel, dtype=param.dtype, device=param.device)
+        self._padded_shard = torch.zeros(layout.shard_numel, dtype=param.dtype, device=shard_device, pin_memory=pin)
         lo, n_local = layout.start * layout.row_numel, layout.local_rows * layout.row_numel
         with torch.no_grad():
             self._padded_shard[:n_local].copy_(param.detach().reshape(-1)[lo : lo + n_local])
         shard_shape = (layout.local_rows, *param.shape[1:]) if param.dim() > 0 else (layout.local_rows,)
         self.sharded = nn.Parameter(self._padded_shard[:n_local].view(shard_shape), requires_grad=param.requires_grad)
         # The full tensor lives in a padded buffer so the all-gather output copies into it in one fused op.
-        padded_full = torch.empty(layout.padded_numel, dtype=param.dtype, device=param.device)
+        dtype = param_dtype or param.dtype
+        padded_full = torch.empty(layout.padded_numel, dtype=dtype, device=self.compute_device)
         self.unsharded = nn.Parameter(padded_full[: param.numel()].view(param.shape), requires_grad=param.requires_grad)
         self._unsharded_data = padded_full.data  # see [Note: storage freeing and tensor identity]
         self.free_unsharded()
@@ -86,10 +102,13 @@ class FSDPParam:
 
     @property
     def padded_shard(self) -> torch.Tensor:
-        """The shard with padding, as packed for the all-gather. Re-synced if the user replaced ``.data``."""
+        """The shard with padding, on the compute device, as packed for the all-gather.
+
+        Re-synced first if the user replaced ``.data`` (the optimizer steps in place, so normally it is the same).
+        """
         if self.sharded.data_ptr() != self._padded_shard.data_ptr() and self.sharded.numel() > 0:
             self._padded_shard[: self.sharded.numel()].copy_(self.sharded.detach().reshape(-1))
-        return self._padded_shard
+        return self._padded_shard.to(self.compute_device, non_blocking=True)
 
     @property
     def unsharded_buffer(self) -> torch.Tensor:
@@ -132,19 +151,25 @@ class FSDPParam:
         return rows.view(layout.world_size, layout.shard_numel)
 
     def accumulate_sharded_grad(self, reduced_shard: torch.Tensor) -> None:
-        """Add this rank's reduced rows (a view of the unit's reduce output, padding included) to ``.grad``."""
+        """Add this rank's reduced rows (a view of the unit's reduce output, padding included) to ``.grad``.
+
+        The reduced gradient comes in ``reduce_dtype`` on the compute device; ``.grad`` is kept in the shard's
+        own dtype and device (fp32 master gradients, in CPU memory under offload).
+        """
         grad = reduced_shard[: self.sharded.numel()].view(self.sharded.shape)
         if self.sharded.grad is None:
-            self.sharded.grad = grad.to(self.sharded.dtype)
+            self.sharded.grad = grad.to(device=self.sharded.device, dtype=self.sharded.dtype)
         else:
-            self.sharded.grad.add_(grad)
+            self.sharded.grad.add_(grad.to(self.sharded.device))
 
     def write_back_from_unsharded(self) -> None:
         """Copy this rank's rows of the (possibly user-modified) full tensor back into the shard."""
         n_local = self.sharded.numel()
         lo = self.layout.start * self.layout.row_numel
         with torch.no_grad():
-            self.sharded.data.reshape(-1).copy_(self.unsharded.data.reshape(-1)[lo : lo + n_local])
+            self.sharded.data.reshape(-1).copy_(
+                self.unsharded.data.reshape(-1)[lo : lo + n_local].to(self.sharded.device)
+            )
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, local_rows={self.layout.local_rows})"

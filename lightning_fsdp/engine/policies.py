@@ -64,10 +64,16 @@ def as_wrap_policy(policy: PolicyLike) -> WrapPolicy | None:
     return ModuleClassPolicy(policy)
 
 
-def select_unit_modules(root: nn.Module, policy: WrapPolicy, is_unit: Callable[[nn.Module], bool]) -> list[nn.Module]:
+def select_unit_modules(
+    root: nn.Module,
+    policy: WrapPolicy,
+    is_unit: Callable[[nn.Module], bool],
+    is_ignored: Callable[[nn.Module], bool],
+) -> list[nn.Module]:
     """The modules below ``root`` that the policy makes units, children before parents (root excluded).
 
-    Modules that already are units (an earlier ``fully_shard`` call) stay units and count as wrapped.
+    Modules that already are units (an earlier ``fully_shard`` call) stay units and count as wrapped; ignored
+    modules are neither wrapped nor looked into.
     """
     selected: list[nn.Module] = []
     seen_params: set[int] = set()
@@ -81,6 +87,8 @@ def select_unit_modules(root: nn.Module, policy: WrapPolicy, is_unit: Callable[[
 
     def visit(module: nn.Module) -> int:
         """Returns the number of parameters in ``module``'s subtree that units took."""
+        if is_ignored(module):
+            return 0
         if is_unit(module):
             taken = subtree_numel(module)
             seen_params.update(id(p) for p in module.parameters())

@@ -47,18 +47,24 @@ class PendingGradReduction:
     unit: FSDPUnit
     pending: collectives.PendingReduceScatter
     had_grad: list[bool]
+    divide_after: bool  # fp32 reductions divide the (W-times smaller) result; low precision divides first
 
     def finish(self) -> None:
         reduced = self.pending.wait()
-        reduced.div_(self.unit.world_size)  # an average over ranks, as DDP and the unsharded reference compute
+        replicate_group = self.unit.replicate_group
+        if replicate_group is not None and self.unit.params:  # HYBRID: sum the shard over the replicas too
+            collectives.all_reduce(reduced, replicate_group, replicate_group.size()).wait()
+        if self.divide_after:  # an average over ranks, as DDP and the unsharded reference compute
+            reduced.div_(self.unit.total_world_size)
         self.unit.accept_reduced_grads(reduced, self.had_grad)
 
 
 class FSDPUnit:
     """The parameters one ``fully_shard`` unit owns, and the moves between their sharded and unsharded forms.
 
-    With NO_SHARD the parameters stay replicated (``params`` holds plain parameters in ``replicated``) and only
-    the gradient all-reduce remains.
+    Rows are spread over ``shard_group`` (None: one rank holds all rows) and gradients are then summed over
+    ``replicate_group`` (HYBRID_SHARD's replicas, NO_SHARD's ranks). With NO_SHARD in the parameters' own dtype
+    the parameters stay where they are (``replicated``) and only the gradient all-reduce remains.
     """
 
     def __init__(
@@ -66,14 +72,16 @@ class FSDPUnit:
         module: nn.Module,
         params: list[FSDPParam],
         replicated: list[nn.Parameter],
-        group: ProcessGroup,
+        groups: tuple[ProcessGroup | None, ProcessGroup | None],
         options: ShardingOptions,
     ) -> None:
         self.module = module
         self.params = params
         self.replicated = replicated
-        self.group = group
-        self.world_size = group.size()
+        self.shard_group, self.replicate_group = groups
+        self.world_size = self.shard_group.size() if self.shard_group is not None else 1
+        replicas = self.replicate_group.size() if self.replicate_group is not None else 1
+        self.total_world_size = self.world_size * replicas
         self.options = options
         self.shard_state = ShardState.SHARDED if params else ShardState.UNSHARDED
         self.training_state = TrainingState.IDLE
@@ -84,6 +92,7 @@ class FSDPUnit:
         self.context: Any = None  # the RootContext of the root this unit runs under, set at the root's lazy init
         self.grads_expected = 0  # trainable parameters, counted at pre-forward
         self.grads_seen = 0  # gradients accumulated so far in this backward
+        self.hooked_params: set[int] = set()  # ids of the grad tensors carrying our post-accumulate hook
 
     def __repr__(self) -> str:
         return f"FSDPUnit({type(self.module).__name__}, params={len(self.params) + len(self.replicated)})"
@@ -97,8 +106,9 @@ class FSDPUnit:
         for fsdp_param in self.params:
             fsdp_param.alloc_unsharded()
         shards = [fsdp_param.padded_shard for fsdp_param in self.params]
+        dtype = self.options.mixed_precision.param_dtype
         with torch.no_grad():
-            self._pending_gather = collectives.all_gather_shards(shards, self.group, self.world_size)
+            self._pending_gather = collectives.all_gather_shards(shards, self.shard_group, self.world_size, dtype)
         self.shard_state = ShardState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
@@ -164,11 +174,11 @@ class FSDPUnit:
                 grad = fsdp_param.sharded.new_zeros(self.world_size, fsdp_param.layout.shard_numel)
             views.append(grad)
         with torch.no_grad():
-            send = collectives.pack_for_reduce_scatter(views)
+            send, divide_after = self._in_reduce_dtype(collectives.pack_for_reduce_scatter(views))
         for fsdp_param in trainable:
             fsdp_param.unsharded.grad = None
-        pending = collectives.reduce_scatter(send, self.group, self.world_size)
-        return PendingGradReduction(self, pending, had_grad)
+        pending = collectives.reduce_scatter(send, self.shard_group, self.world_size)
+        return PendingGradReduction(self, pending, had_grad, divide_after)
 
     def _all_reduce_grads(self) -> PendingGradReduction | None:
         trainable = [p for p in self.replicated if p.requires_grad]
@@ -177,7 +187,19 @@ class FSDPUnit:
         had_grad = [param.grad is not None for param in trainable]
         with torch.no_grad():
             flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in trainable])
-        return PendingGradReduction(self, collectives.all_reduce(flat, self.group, self.world_size), had_grad)
+            flat, divide_after = self._in_reduce_dtype(flat)
+        pending = collectives.all_reduce(flat, self.replicate_group, self.total_world_size)
+        return PendingGradReduction(self, pending, had_grad, divide_after)
+
+    def _in_reduce_dtype(self, send: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Cast to ``reduce_dtype``; low precision divides by the ranks first, so the sum cannot overflow."""
+        reduce_dtype = self.options.mixed_precision.effective_reduce_dtype
+        if reduce_dtype is not None and send.dtype != reduce_dtype:
+            send = send.to(reduce_dtype)
+        if send.dtype in (torch.float16, torch.bfloat16):
+            send.div_(self.total_world_size)
+            return send, False
+        return send, True
 
     def accept_reduced_grads(self, reduced: torch.Tensor, had_grad: list[bool]) -> None:
         """Hand each trainable parameter that had a gradient its slice of the reduced buffer (views: no copy)."""
@@ -191,5 +213,5 @@ class FSDPUnit:
             return
         for param, arrived in zip((p for p in self.replicated if p.requires_grad), had_grad, strict=True):
             if arrived:
-                param.grad = reduced[offset : offset + param.numel()].view_as(param)
+                param.grad = reduced[offset : offset + param.numel()].view_as(param).to(param.dtype)
             offset += param.numel()

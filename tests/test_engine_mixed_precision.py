@@ -1,0 +1,114 @@
+"""Mixed precision: half-precision gathers and reductions, fp32 master shards, against a reference doing the same casts.
+
+bf16 matmuls have no fast kernels on these CPUs, so the model stays tiny and the steps few.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fsdp import MixedPrecision, fully_shard, summon_full_params
+from lightning_fsdp.demos.gpt import GPT, Block
+from lightning_fsdp.engine.comm_stats import CollectiveCounter
+from tests.distributed import run_distributed
+from tests.engine_harness import TINY_GPT, max_relative_error
+
+LOCAL_BATCH = 2
+# The sharded run reduces W half-precision gradients of local batches (divided by W first); the reference computes
+# the global batch's gradient in one half-precision backward. Both round differently at the dtype's 8 (bf16) or 11
+# (fp16) bits, so after SGD steps the weights agree to a fraction of a percent, not to fp32's 1e-5.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def _batches(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    data = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, TINY_GPT.vocab_size, (LOCAL_BATCH * world_size, TINY_GPT.block_size + 1), generator=data)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _reference_step(master: nn.Module, low: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """What mixed precision means, written out: compute in the low copy, step the fp32 master."""
+    with torch.no_grad():
+        for low_param, param in zip(low.parameters(), master.parameters(), strict=True):
+            low_param.copy_(param)
+    loss = low(inputs, targets)
+    loss.backward()
+    for low_param, param in zip(low.parameters(), master.parameters(), strict=True):
+        param.grad = low_param.grad.float()
+        low_param.grad = None
+    return loss.item()
+
+
+def _check_parity_and_dtypes(rank: int, world_size: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    master = GPT(TINY_GPT)
+    low = copy.deepcopy(master).to(dtype)
+    model = fully_shard(copy.deepcopy(master), {Block}, mixed_precision=MixedPrecision(dtype, dtype, dtype))
+    seen_dtypes: set[torch.dtype] = set()
+    model.blocks[0].mlp.fc.register_forward_pre_hook(lambda m, _: seen_dtypes.add(m.weight.dtype))
+    optimizer, ref_optimizer = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, master))
+    local = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    for step in range(3):
+        inputs, targets = _batches(step, world_size)
+        model(inputs[local], targets[local]).backward()
+        _reference_step(master, low, inputs, targets)
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters()), "sharded gradients must be fp32"
+        optimizer.step()
+        ref_optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+    assert seen_dtypes == {dtype}, f"forward computed with {seen_dtypes}, not {dtype}"
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "the optimizer's shards must stay fp32"
+    with summon_full_params(model, writeback=False):
+        for (name, param), ref_param in zip(model.named_parameters(), master.parameters(), strict=True):
+            error = max_relative_error(param.float(), ref_param)
+            assert error < TOLERANCE[dtype], f"[{dtype}] {name}: relative error {error:.2e}"
+
+
+def _check_bytes_buffers_and_inputs(rank: int, world_size: int) -> None:
+    inputs, targets = _batches(0, 1)
+
+    def counted(precision: MixedPrecision | None) -> CollectiveCounter:
+        torch.manual_seed(0)
+        model = fully_shard(GPT(TINY_GPT), {Block}, mixed_precision=precision)
+        with CollectiveCounter() as counter:
+            model(inputs, targets).backward()
+        return counter
+
+    fp32 = counted(None)
+    bf16 = counted(MixedPrecision(param_dtype=torch.bfloat16))
+    bf16_fp32_reduce = counted(MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    assert bf16.bytes["all_gather"] * 2 == fp32.bytes["all_gather"], "bf16 gathers move half the bytes"
+    assert bf16.bytes["all_to_all"] * 2 == fp32.bytes["all_to_all"], "reduce_dtype defaults to param_dtype"
+    assert bf16_fp32_reduce.bytes["all_to_all"] == fp32.bytes["all_to_all"], "an fp32 reduce_dtype reduces in fp32"
+    assert {e.dtype for e in bf16.events} == {torch.bfloat16}
+
+    class WithBuffer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4))
+            self.input_dtypes: list[torch.dtype] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.input_dtypes.append(x.dtype)
+            return self.linear(x) * self.scale
+
+    precision = MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16, cast_forward_inputs=True)
+    model = fully_shard(WithBuffer(), mixed_precision=precision)
+    assert model.scale.dtype == torch.bfloat16, "floating-point buffers take buffer_dtype"
+    output = model(torch.randn(3, 4))
+    assert model.input_dtypes == [torch.bfloat16] and output.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_precision_parity_with_fp32_master_shards(dtype: torch.dtype) -> None:
+    run_distributed(_check_parity_and_dtypes, 2, dtype)
+
+
+def test_half_precision_halves_the_bytes_and_casts_buffers_and_inputs() -> None:
+    run_distributed(_check_bytes_buffers_and_inputs, 2)

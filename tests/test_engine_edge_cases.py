@@ -147,6 +147,29 @@ def _check_summon_full_params(rank: int, world_size: int) -> None:
     assert model.blocks[1].mlp.fc.weight.shape[0] < reference.blocks[1].mlp.fc.weight.shape[0], "shards again"
 
 
+def _check_ignored_modules_and_params(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = GPT(TINY_GPT)
+    ignored_block, ignored_param = model.blocks[0], model.ln_f.weight
+    fully_shard(model, {Block}, ignored_modules=[ignored_block], ignored_params=[ignored_param])
+    torch.manual_seed(0)
+    reference = GPT(TINY_GPT)
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters(), strict=True):
+        untouched = name.startswith("blocks.0.") or name == "ln_f.weight"
+        assert (fsdp_param_of(param) is None) == untouched, f"{name}: ignored={untouched} but sharded={not untouched}"
+        if untouched:
+            assert torch.equal(param, ref_param), f"{name} was changed although ignored"
+    assert unit_of(ignored_block) is None, "an ignored module became a unit"
+    tokens = torch.randint(0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size + 1))
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    reference(tokens[:, :-1], tokens[:, 1:]).backward()
+    torch.testing.assert_close(ignored_param.grad, reference.ln_f.weight.grad, msg="ignored: local, unreduced")
+
+
+def test_ignored_modules_and_params_stay_whole() -> None:
+    run_distributed(_check_ignored_modules_and_params, 2)
+
+
 def test_awkward_model_parity_and_shapes_on_four_ranks() -> None:
     run_distributed(_check_awkward_model, 4)
 

@@ -168,7 +168,10 @@ class _UnitBuilder:
             param_dtype = self.options.mixed_precision.param_dtype
             offload = self.options.cpu_offload
             shard_group = self.groups.shard
-            params = [FSDPParam(o.param, o.fqn, o.owners, shard_group, param_dtype, offload) for o in owned]
+            replicate_group = self.groups.replicate if shard_group is not None else None
+            params = [
+                FSDPParam(o.param, o.fqn, o.owners, shard_group, param_dtype, offload, replicate_group) for o in owned
+            ]
             for fsdp_param in params:
                 fsdp_param.register_sharded()
             unit = FSDPUnit(unit_module, params, [], self.groups.as_pair(), self.options)

@@ -71,10 +71,12 @@ class FSDPParam:
         shard_group: ProcessGroup | None,
         param_dtype: torch.dtype | None = None,
         offload: bool = False,
+        replicate_group: ProcessGroup | None = None,
     ):
         self.fqn = fqn
         self.owners = owners
         self.group = shard_group  # the ranks the rows are spread over
+        self.replicate_group = replicate_group  # HYBRID_SHARD's replicas of those rows
         self.shape = param.shape
         rank, world_size = (dist.get_rank(shard_group), shard_group.size()) if shard_group is not None else (0, 1)
         self.layout = ShardLayout.for_shape(param.shape, rank, world_size)

@@ -1,0 +1,221 @@
+"""State dicts of a sharded model in two forms, with the original names and shapes.
+
+- full: plain tensors, gathered unit by unit straight to CPU on rank 0. Rank 0 holds the full model in CPU memory
+  plus one gathered unit on the device; the other ranks hold nothing beyond a transient unit.
+- sharded: every sharded parameter as a ``DTensor`` with ``Shard(0)`` over its shard group (``Replicate`` across
+  HYBRID_SHARD's replicas) that *aliases* the local shard. ``torch.distributed.checkpoint`` saves that without a
+  copy and, on load, writes every rank's rows straight into the shards, resharding from whatever world size
+  saved them. The engine's row split (rank r: rows [r*c, (r+1)*c), c = ceil(rows / W)) is ``torch.chunk``'s,
+  which is DTensor's ``Shard(0)``; 0-dim parameters (one row on rank 0) are stored whole instead.
+
+Loading a full state dict: every rank copies its own rows out of it; read the file with ``torch.load(mmap=True)``
+and no rank materialises more than the one tensor it is slicing. Everything is keyed by the names
+``module.state_dict()`` uses; a checkpoint for another model is refused before anything is changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lightning_fsdp.engine.param import FSDPParam
+from lightning_fsdp.engine.registry import fsdp_param_of, units_under
+from lightning_fsdp.engine.unit import TrainingState
+
+
+def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, Tensor]:
+    """``module.state_dict()`` with full tensors on the CPU: on rank 0 only (``{}`` elsewhere) unless told otherwise.
+
+    A collective: call it on every rank.
+    """
+    _check_idle(module, "full_state_dict")
+    keep = not rank0_only or dist.get_rank() == 0
+    gathered: dict[int, Tensor] = {}
+    with torch.no_grad():
+        for unit in units_under(module):
+            if not unit.params:
+                continue
+            unit.unshard()
+            unit.wait_for_unshard()
+            if keep:
+                for fsdp_param in unit.params:
+                    full = fsdp_param.unsharded.detach().to(fsdp_param.sharded.dtype)
+                    gathered[id(fsdp_param)] = full.to("cpu", copy=True)
+            unit.reshard()
+    if not keep:
+        return {}
+    state: dict[str, Tensor] = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        fsdp_param = fsdp_param_of(value)
+        state[name] = gathered[id(fsdp_param)] if fsdp_param is not None else value.detach().to("cpu", copy=True)
+    return state
+
+
+def sharded_state_dict(module: nn.Module) -> dict[str, Tensor]:
+    """``module.state_dict()`` with every shard as a DTensor aliasing it; loading into it loads into the model."""
+    _check_idle(module, "sharded_state_dict")
+    return {name: as_dtensor(value) for name, value in module.state_dict(keep_vars=True).items()}
+
+
+def as_dtensor(value: Tensor) -> Tensor:
+    """A registered tensor in its sharded-checkpoint form: a DTensor for a shard, the tensor itself otherwise."""
+    fsdp_param = fsdp_param_of(value) if isinstance(value, nn.Parameter) else None
+    if fsdp_param is None or fsdp_param.layout.world_size == 1 or len(fsdp_param.shape) == 0:
+        return _whole(value, fsdp_param)
+    return _shard_dtensor(value.detach(), fsdp_param)
+
+
+def _shard_dtensor(local: Tensor, fsdp_param: FSDPParam) -> DTensor:
+    mesh, placements = _mesh_of(fsdp_param)
+    stride = torch.empty(fsdp_param.shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=fsdp_param.shape, stride=stride)
+
+
+def _whole(value: Tensor, fsdp_param: FSDPParam | None) -> Tensor:
+    if fsdp_param is None or fsdp_param.layout.world_size == 1:
+        return value.detach().view(fsdp_param.shape) if fsdp_param is not None else value.detach()
+    # A 0-dim parameter: its one row lives on the shard group's first rank; give every rank the value.
+    scalar = value.detach().reshape(-1)[:1].clone() if value.numel() else value.new_zeros(1)
+    dist.broadcast(scalar, src=dist.get_global_rank(fsdp_param.group, 0), group=fsdp_param.group)
+    return scalar.view(fsdp_param.shape)
+
+
+_MESHES: dict[tuple[int, ...], DeviceMesh] = {}
+
+
+def _mesh_of(fsdp_param: FSDPParam) -> tuple[DeviceMesh, list]:
+    """The mesh a shard's DTensor lives on: its shard group, under HYBRID_SHARD also its replicas (a collective)."""
+    groups = [g for g in (fsdp_param.replicate_group, fsdp_param.group) if g is not None]
+    key = tuple(id(g) for g in groups)
+    if key not in _MESHES:
+        device_type = fsdp_param.compute_device.type
+        if len(groups) == 1:
+            _MESHES[key] = DeviceMesh.from_group(groups[0], device_type)
+        else:
+            replicate, shard = groups
+            ranks = [dist.get_process_group_ranks(shard)]
+            others = [None] * replicate.size()
+            dist.all_gather_object(others, ranks[0], group=replicate)
+            _MESHES[key] = DeviceMesh.from_group(groups, device_type, mesh=torch.tensor(others))
+    placements = [Shard(0)] if len(groups) == 1 else [Replicate(), Shard(0)]
+    return _MESHES[key], placements
+
+
+def load_full_state_dict(module: nn.Module, state: Mapping[str, Tensor], strict: bool = True) -> None:
+    """Load full tensors into the sharded module: every rank copies its own rows (shapes checked first)."""
+    _check_idle(module, "load_full_state_dict")
+    targets = module.state_dict(keep_vars=True)
+    check_keys_and_shapes(targets, state, strict, full_shapes=True)
+    with torch.no_grad():
+        for name, target in targets.items():
+            if name not in state:
+                continue
+            source = state[name]
+            fsdp_param = fsdp_param_of(target)
+            if fsdp_param is None:
+                target.copy_(source)
+                continue
+            layout = fsdp_param.layout
+            rows = source.reshape(layout.rows, layout.row_numel)[layout.start : layout.start + layout.local_rows]
+            target.copy_(rows.reshape(target.shape))
+
+
+def check_keys_and_shapes(
+    targets: Mapping[str, Tensor], source: Mapping[str, Any], strict: bool, full_shapes: bool
+) -> None:
+    """Refuse a state dict of another model in one sentence that names what differs."""
+    missing = sorted(set(targets) - set(source))
+    unexpected = sorted(set(source) - set(targets))
+    problems = []
+    if strict and missing:
+        problems.append(f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if strict and unexpected:
+        problems.append(f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    for name in sorted(set(targets) & set(source)):
+        fsdp_param = fsdp_param_of(targets[name])
+        expected = fsdp_param.shape if (full_shapes and fsdp_param is not None) else targets[name].shape
+        found = getattr(source[name], "shape", None)
+        if found is not None and tuple(found) != tuple(expected):
+            problems.append(f"'{name}' has shape {tuple(found)} in the checkpoint but {tuple(expected)} in the model")
+    if problems:
+        raise ValueError(
+            "the checkpoint does not match this model: " + "; ".join(problems[:6]) + ". Load a checkpoint of the "
+            "same model architecture (or pass strict=False to skip missing and unexpected keys)."
+        )
+
+
+def _check_idle(module: nn.Module, what: str) -> None:
+    busy = [u for u in units_under(module) if u.training_state is not TrainingState.IDLE]
+    if busy:
+        raise RuntimeError(f"{what} was called during forward or backward; call it between training steps.")
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create every state tensor (a step with zero gradients and zero learning rate), so a checkpoint can load into it.
+
+    Optimizers create their state lazily at the first step; a sharded load writes into existing tensors.
+    """
+    if optimizer.state:
+        return
+    saved_lrs = [group.get("lr") for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], Tensor) else 0.0
+        for param in group["params"]:
+            if param.grad is None and param.requires_grad:
+                param.grad = torch.zeros_like(param)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, saved_lrs, strict=True):
+        if lr is not None:
+            group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name, per-row tensors as DTensors aliasing the local state.
+
+    ``{"state": {name: {key: value}}, "param_groups": [{hyperparameters..., "params": [name, ...]}]}``. A state
+    tensor shaped like its shard (Adam's moments) becomes a ``Shard(0)`` DTensor of the full shape; anything else
+    (a step count) stays as it is.
+    """
+    names = parameter_names(module)
+    state: dict[str, dict[str, Any]] = {}
+    for param, param_state in optimizer.state.items():
+        state[names[id(param)]] = {key: _state_as_dtensor(value, param) for key, value in param_state.items()}
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+def _state_as_dtensor(value: Any, param: Tensor) -> Any:
+    fsdp_param = fsdp_param_of(param)
+    per_row = isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape
+    if fsdp_param is None or not per_row or fsdp_param.layout.world_size == 1 or len(fsdp_param.shape) == 0:
+        return value
+    return _shard_dtensor(value, fsdp_param)
+
+
+def apply_optimizer_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """Take a checkpoint's per-group hyperparameters (learning rates a scheduler moved, say) after a load."""
+    current = [len(group["params"]) for group in optimizer.param_groups]
+    saved = [len(group["params"]) for group in groups]
+    if current != saved:
+        raise ValueError(
+            f"the checkpoint's optimizer has parameter groups of sizes {saved} but this optimizer has {current}; "
+            "resume with the configure_optimizers the checkpoint was trained with."
+        )
+    for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """Parameter identity to name; a tied parameter takes its first name, as ``named_parameters`` gives it."""
+    return {id(param): name for name, param in module.named_parameters()}

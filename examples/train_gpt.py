@@ -2,10 +2,11 @@
 
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 60
 
-(``bash scripts/demo.sh`` runs exactly this after setting up ``.venv``.) Every rank builds the same model from
-the same seed, ``fully_shard`` cuts each ``Block`` (and the root, for what the blocks leave over) into dim-0
-shards, and from then on each rank holds and updates only its own rows. The data parallelism is the other
-half: each rank draws different batches, and the engine averages the gradients over the ranks.
+(``bash scripts/demo.sh`` trains the same model through Lightning instead; see examples/trainer_api.py.)
+Every rank builds the same model from the same seed, ``fully_shard`` cuts each ``Block`` (and the root, for
+what the blocks leave over) into dim-0 shards, and from then on each rank holds and updates only its own rows.
+The data parallelism is the other half: each rank draws different batches, and the engine averages the
+gradients over the ranks.
 On CPU the ranks talk over gloo; with CUDA each rank takes the GPU of its LOCAL_RANK and NCCL.
 """
 

@@ -1,4 +1,10 @@
-"""lightning_fsdp: Fully Sharded Data Parallel for PyTorch Lightning, on CPU and GPU."""
+"""lightning_fsdp: Fully Sharded Data Parallel for PyTorch Lightning, on CPU and GPU.
+
+Importing the package registers the strategy names ``"myfsdp"``, ``"myfsdp_shard_grad_op"`` and
+``"myfsdp_cpu_offload"`` with Lightning, so ``Trainer(strategy="myfsdp")`` works after ``import lightning_fsdp``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fsdp.engine import (
     BackwardPrefetch,
@@ -13,10 +19,17 @@ from lightning_fsdp.engine import (
     size_based_policy,
     summon_full_params,
 )
+from lightning_fsdp.precision import FSDPPrecision, ShardedGradScaler
+from lightning_fsdp.strategy import FSDPStrategy
+
+FSDPStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "BackwardPrefetch",
+    "FSDPPrecision",
+    "FSDPStrategy",
     "MixedPrecision",
+    "ShardedGradScaler",
     "ShardingStrategy",
     "apply_activation_checkpointing",
     "clip_grad_norm_",

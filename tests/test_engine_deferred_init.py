@@ -1,4 +1,4 @@
-"""Deferred init: a meta-device model materialised unit by unit equals the eager one, on every rank, in bounded memory."""
+"""Deferred init: a meta-device model materialised unit by unit equals the eager one, in bounded memory."""
 
 from __future__ import annotations
 

@@ -102,7 +102,9 @@ def _mesh_of(fsdp_param: FSDPParam) -> tuple[DeviceMesh, list]:
             ranks = [dist.get_process_group_ranks(shard)]
             others = [None] * replicate.size()
             dist.all_gather_object(others, ranks[0], group=replicate)
-            _MESHES[key] = DeviceMesh.from_group(groups, device_type, mesh=torch.tensor(others))
+            _MESHES[key] = DeviceMesh.from_group(
+                groups, device_type, mesh=torch.tensor(others), mesh_dim_names=("replicate", "shard")
+            )
     placements = [Shard(0)] if len(groups) == 1 else [Replicate(), Shard(0)]
     return _MESHES[key], placements
 

@@ -1,0 +1,13 @@
+"""Checkpoint formats of a sharded model -- one full file, a sharded folder, safetensors weights -- and conversions.
+
+Layouts (the same as Lightning's own FSDP checkpoints, so Lightning's tools read ours):
+
+- full: one ``torch.save`` file, a Lightning checkpoint whose ``state_dict`` holds full tensors and whose
+  ``optimizer_states`` are standard ``Optimizer.state_dict()``s at full shapes (plus each group's
+  ``param_names``), so any strategy -- ddp, a single device -- loads it as its own.
+- sharded: a folder in ``torch.distributed.checkpoint`` format holding ``model`` (the state dict, shards as
+  ``Shard(0)`` DTensors) and ``optimizer_0``, ``optimizer_1``, ... (state keyed by parameter name), plus ``meta.pt``
+  with the rest of the checkpoint (loop state, schedulers, callbacks). Loads at any world size.
+
+Every write is atomic: it appears under its final name only when complete.
+"""

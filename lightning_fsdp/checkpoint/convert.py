@@ -1,0 +1,164 @@
+"""``lightning-fsdp convert``: between the full file, the sharded folder and safetensors, offline.
+
+One process, no process group, no model code: everything comes from the checkpoint itself. Tensors stream one at a
+time where the output allows it (safetensors from either form: peak memory about the largest tensor); a full
+``.ckpt`` is one ``torch.save`` of the whole model, so that direction holds it once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from rich.progress import track
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from lightning_fsdp.checkpoint.atomic import atomic_directory, write_file_atomically
+from lightning_fsdp.checkpoint.safetensors_stream import write_safetensors
+from lightning_fsdp.checkpoint.sharded import META_FILE, is_sharded_checkpoint, read_checked_metadata
+
+FORMATS = ("full", "sharded", "safetensors")
+
+
+def convert(
+    src: str | os.PathLike, dst: str | os.PathLike, to: str, strip_prefix: str = "", quiet: bool = False
+) -> None:
+    """Convert the checkpoint at ``src`` into ``to`` at ``dst``; ``strip_prefix`` drops a name prefix (safetensors)."""
+    src, dst = Path(src), Path(dst)
+    if to not in FORMATS:
+        raise ValueError(f"--to {to!r} is not a format; use one of {', '.join(FORMATS)}.")
+    if not src.exists():
+        raise FileNotFoundError(f"no checkpoint at {src}.")
+    sharded = is_sharded_checkpoint(src)
+    if src.is_dir() and not sharded:
+        read_checked_metadata(src)  # raises the message that says what is missing
+    show = (lambda names: names) if quiet else (lambda names: track(names, description=f"writing {dst.name}"))
+    if to == "safetensors":
+        _to_safetensors(src, dst, sharded, strip_prefix, show)
+    elif to == "full":
+        checkpoint = (
+            _read_sharded(src) if sharded else torch.load(src, map_location="cpu", mmap=True, weights_only=False)
+        )
+        write_file_atomically(dst, lambda tmp: torch.save(checkpoint, tmp))
+    else:
+        if sharded:
+            raise ValueError(f"{src} is already a sharded checkpoint; copy the folder, or convert it --to full.")
+        _full_to_sharded(torch.load(src, map_location="cpu", mmap=True, weights_only=False), dst)
+
+
+def _to_safetensors(src: Path, dst: Path, sharded: bool, strip_prefix: str, show: Any) -> None:
+    if sharded:
+        reader = FileSystemReader(src)
+        items = reader.read_metadata().state_dict_metadata
+        sources = {
+            key[len("model.") :]: (item.properties.dtype, tuple(item.size))
+            for key, item in items.items()
+            if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+        }
+
+        def load(name: str) -> torch.Tensor:
+            dtype, shape = sources[name]
+            tensor = torch.empty(shape, dtype=dtype)
+            dcp.load({f"model.{name}": tensor}, storage_reader=reader, no_dist=True)
+            return tensor
+
+    else:
+        state = torch.load(src, map_location="cpu", mmap=True, weights_only=False)["state_dict"]
+        sources = {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
+        load = state.__getitem__
+    renamed = {(n[len(strip_prefix) :] if strip_prefix and n.startswith(strip_prefix) else n): n for n in sources}
+    specs = [(new, *sources[old]) for new, old in renamed.items()]
+    write_file_atomically(dst, lambda tmp: write_safetensors(tmp, specs, lambda new: load(renamed[new]), show))
+
+
+def _read_sharded(src: Path) -> dict[str, Any]:
+    """A sharded folder as a Lightning checkpoint dict: ``state_dict``, ``optimizer_states`` and ``meta.pt``."""
+    metadata = read_checked_metadata(src)
+    flat: dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            flat[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        elif isinstance(item, BytesStorageMetadata):
+            flat[key] = None
+    dcp.load(flat, storage_reader=FileSystemReader(src), no_dist=True)
+    nested = _unflatten(flat, metadata.planner_data)
+    checkpoint = torch.load(src / META_FILE, map_location="cpu", weights_only=False)
+    checkpoint["state_dict"] = nested["model"]
+    count = len([key for key in nested if key.startswith("optimizer_")])
+    checkpoint["optimizer_states"] = [_positional_optimizer_state(nested[f"optimizer_{i}"]) for i in range(count)]
+    return checkpoint
+
+
+def _unflatten(flat: dict[str, Any], paths: dict[str, tuple]) -> dict[str, Any]:
+    """DCP's flat keys back into nested dicts and lists, by the paths its metadata records for each key."""
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        path = paths[key]
+        node: Any = nested
+        for part, following in zip(path[:-1], path[1:], strict=True):
+            empty: Any = [] if isinstance(following, int) else {}
+            if isinstance(node, list):
+                while len(node) <= part:
+                    node.append(None)
+                node[part] = node[part] if node[part] is not None else empty
+                node = node[part]
+            else:
+                node = node.setdefault(part, empty)
+        if isinstance(node, list):
+            while len(node) <= path[-1]:
+                node.append(None)
+        node[path[-1]] = value
+    return nested
+
+
+def _positional_optimizer_state(saved: dict[str, Any]) -> dict[str, Any]:
+    """Name-keyed optimizer state (sharded form) -> ``Optimizer.state_dict()``'s positional form."""
+    groups = saved["param_groups"]
+    index_of = {name: i for i, name in enumerate(n for group in groups for n in group["params"])}
+    state = {index_of[name]: values for name, values in saved.get("state", {}).items()}
+    offsets = _running_offsets(len(group["params"]) for group in groups)
+    positional_groups = [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": list(range(start, start + len(group["params"]))),
+            "param_names": list(group["params"]),
+        }
+        for group, start in zip(groups, offsets, strict=True)
+    ]
+    return {"state": state, "param_groups": positional_groups}
+
+
+def _running_offsets(sizes: Iterable[int]) -> list[int]:
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += size
+    return offsets
+
+
+def _full_to_sharded(checkpoint: dict[str, Any], dst: Path) -> None:
+    """A full checkpoint as a sharded folder any world size can load (written by this one process)."""
+    state: dict[str, Any] = {"model": dict(checkpoint.pop("state_dict"))}
+    for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+        groups = optimizer_state["param_groups"]
+        if any("param_names" not in group for group in groups):
+            raise ValueError(
+                "this checkpoint's optimizer state does not record parameter names (it was not written by "
+                "lightning_fsdp), so it cannot be keyed by name; resume it with the strategy that wrote it."
+            )
+        names = [name for group in groups for name in group["param_names"]]
+        state[f"optimizer_{index}"] = {
+            "state": {names[int(i)]: dict(s) for i, s in optimizer_state["state"].items()},
+            "param_groups": [
+                {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": g["param_names"]}
+                for g in groups
+            ],
+        }
+    with atomic_directory(dst) as tmp:
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
+        torch.save(checkpoint, tmp / META_FILE)

@@ -1,0 +1,95 @@
+"""The full form: whole tensors on rank 0, and optimizer state in ``Optimizer.state_dict()``'s own format.
+
+Optimizer state is positional (parameter ``i`` of the groups, in order), like every optimizer's own state dict,
+so a ddp or single-device run loads it as its own; each group also records ``param_names``, which ``convert``
+needs and ``Optimizer.load_state_dict`` ignores. Gathering goes one state tensor at a time, so rank 0 holds the
+full state plus one tensor; loading slices each full tensor down to this rank's rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_fsdp.engine.registry import fsdp_param_of
+from lightning_fsdp.engine.state_dict import init_optimizer_state, parameter_names, sharded_optimizer_state_dict
+
+
+def full_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` at full shapes, on rank 0 (``{}`` elsewhere). A collective."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    sharded = sharded_optimizer_state_dict(module, optimizer)
+    names = parameter_names(module)
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for group, saved_group in zip(optimizer.param_groups, sharded["param_groups"], strict=True):
+        indices = []
+        for param in group["params"]:
+            param_state = sharded["state"].get(names[id(param)], {})
+            full = {key: _full_value(value, param) for key, value in param_state.items()}
+            if rank0 and full:
+                state[index] = {
+                    k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in full.items()
+                }
+            indices.append(index)
+            index += 1
+        groups.append(
+            {
+                **{k: v for k, v in saved_group.items() if k != "params"},
+                "params": indices,
+                "param_names": saved_group["params"],
+            }
+        )
+    return {"state": state, "param_groups": groups} if rank0 else {}
+
+
+def _full_value(value: Any, param: Tensor) -> Any:
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    fsdp_param = fsdp_param_of(param)
+    if fsdp_param is not None and len(fsdp_param.shape) == 0 and isinstance(value, Tensor) and value.dim() == 1:
+        scalar = value.reshape(-1)[:1].clone() if value.numel() else value.new_zeros(1)
+        if fsdp_param.group is not None:
+            dist.broadcast(scalar, src=dist.get_global_rank(fsdp_param.group, 0), group=fsdp_param.group)
+        return scalar.view(())
+    return value
+
+
+def load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, saved: dict[str, Any]) -> None:
+    """Load a full (positional) optimizer state dict: every rank keeps its rows of each per-row tensor."""
+    current = [len(group["params"]) for group in optimizer.param_groups]
+    found = [len(group["params"]) for group in saved["param_groups"]]
+    if current != found:
+        raise ValueError(
+            f"the checkpoint's optimizer has parameter groups of sizes {found} but this optimizer has {current}; "
+            "resume with the configure_optimizers the checkpoint was trained with."
+        )
+    init_optimizer_state(optimizer)  # its own state tells per-row tensors from the rest, by shape
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    state = {}
+    for index, param_state in saved["state"].items():
+        param = params[int(index)]
+        template = optimizer.state.get(param, {})
+        state[index] = {key: local_rows(value, param, template.get(key)) for key, value in param_state.items()}
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def local_rows(value: Any, param: Tensor, template: Any) -> Any:
+    """This rank's rows of a full per-row tensor; ``template`` is the optimizer's own value for the same key."""
+    fsdp_param = fsdp_param_of(param)
+    per_row = isinstance(template, Tensor) and template.dim() > 0 and template.shape == param.shape
+    if fsdp_param is None or not per_row or not isinstance(value, Tensor):
+        return value
+    if tuple(value.shape) != tuple(fsdp_param.shape):
+        raise ValueError(
+            f"the checkpoint's optimizer state for '{fsdp_param.fqn}' has shape {tuple(value.shape)} but the "
+            f"parameter has shape {tuple(fsdp_param.shape)}; load a checkpoint of the same model."
+        )
+    layout = fsdp_param.layout
+    rows = value.reshape(layout.rows, layout.row_numel)[layout.start : layout.start + layout.local_rows]
+    return rows.reshape(param.shape).clone()

@@ -1,0 +1,80 @@
+"""The ``lightning-fsdp`` command: LightningCLI with the demo GPT and corpus as the default model and data.
+
+    lightning-fsdp fit --config configs/demo.yaml                 # also: validate | test | predict
+    lightning-fsdp fit --config configs/demo.yaml --model.n_layer 2 --trainer.max_steps 50
+
+Model and data are chosen by ``class_path`` (any LightningModule / LightningDataModule); without one they are
+``LitGPT`` and ``CharDataModule``. ``trainer.strategy`` may be a registered name (``myfsdp``,
+``myfsdp_shard_grad_op``, ``myfsdp_cpu_offload``) or ``class_path: lightning_fsdp.FSDPStrategy`` with
+``init_args``. The names resolve because this module lives inside the ``lightning_fsdp`` package: importing it
+runs ``lightning_fsdp/__init__.py`` first, which registers them, before any Trainer is built.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from typing_extensions import override
+
+__all__ = ["LightningFSDPCLI", "main", "report_artifacts"]
+
+DEFAULT_MODEL = "lightning_fsdp.demos.lit_gpt.LitGPT"
+DEFAULT_DATA = "lightning_fsdp.demos.datamodule.CharDataModule"
+
+
+class LightningFSDPCLI(LightningCLI):
+    """LightningCLI with the demo defaults, ending ``fit`` by saying where the checkpoint and logs are."""
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
+
+    def after_fit(self) -> None:
+        """Called by LightningCLI after ``trainer.fit`` (it looks the hook up by name)."""
+        report_artifacts(self.trainer)
+
+
+def report_artifacts(trainer: Trainer) -> None:
+    """Print, on rank 0, the checkpoint fit wrote last and the logger's folder: the run's last two lines.
+
+    Every rank must call it: ``trainer.log_dir`` is a broadcast from rank 0.
+    """
+    log_dir = trainer.log_dir
+    if not trainer.is_global_zero:
+        return
+    callback = trainer.checkpoint_callback
+    checkpoint = callback.last_model_path or callback.best_model_path if callback is not None else ""
+    print(f"checkpoint: {Path(checkpoint).resolve() if checkpoint else 'none (no ModelCheckpoint saved one)'}")
+    print(f"logs: {Path(log_dir).resolve() if log_dir else 'none (no logger)'}", flush=True)
+
+
+def main(args: list[str] | None = None) -> None:
+    """The console script's entry point; ``args`` replaces ``sys.argv[1:]`` (for tests).
+
+    After a successful run that joined a process group, the process ends with ``os._exit(0)``: a gloo worker
+    thread may still be releasing its last collective's tensors while the interpreter shuts down, which aborts
+    a finished run with SIGABRT ("terminate called without an active exception"; see [Note: gloo exit race] in
+    tests/distributed.py). Everything is written and printed by then. A failure raises as usual.
+    """
+    LightningFSDPCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        # A re-run into the same log folder replaces the saved config instead of refusing to start.
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""``myfsdp`` with the engine options that must not change the math, each against one DDP run, on 2 CPU processes.
+
+Each case starts from seed 0 and the same data as the DDP reference, and rank 0 saves its full weights to
+OUT_DIR/<case>.pt:
+
+- cpu_offload, activation checkpointing, NO_SHARD, HYBRID_SHARD as (1, 2) by default and as (2, 1);
+- deferred init through ``trainer.init_module(empty_init=True)`` and through ``configure_model``: the engine
+  materializes the meta modules in module order after the strategy re-seeds, so it reproduces the eager init;
+- sync_module_states: each rank starts from its own seed, and rank 0's weights must win, as DDP's do (and
+  without the option they must not: rank_seeded_without_sync is the control).
+
+OUT_DIR/<case>.json records whether the model was on the meta device before setup, and how many elements the
+optimizer steps on rank 0.
+
+Usage: python tests/scripts/strategy_engine_options.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from strategy_common import LitGPT, make_trainer, out_dir, token_loader, write_json
+
+from lightning_fsdp import FSDPStrategy
+from lightning_fsdp.demos.gpt import Block
+
+STEPS = 4
+LOCAL_BATCH = 2
+
+
+def run(case: str, strategy: Any, build: str = "eager") -> None:
+    L.seed_everything(0)
+    trainer = make_trainer(strategy, max_steps=STEPS)
+    if build == "init_module":
+        with trainer.init_module(empty_init=True):
+            model = LitGPT()
+    elif build == "configure_model":
+        model = LitGPT(in_configure_model=True)
+    elif build == "rank_seeded":
+        L.seed_everything(trainer.global_rank)  # different weights on each rank until rank 0's are broadcast
+        model = LitGPT()
+        L.seed_everything(0)
+    else:
+        model = LitGPT()
+    meta_before_fit = model.model is not None and next(model.parameters()).is_meta
+    trainer.fit(model, token_loader(STEPS * LOCAL_BATCH * 2, LOCAL_BATCH))
+    state = trainer.strategy.lightning_module_state_dict() if case != "ddp" else model.state_dict()
+    if trainer.global_rank == 0:
+        torch.save(state, out_dir() / f"{case}.pt")
+    params = [p for group in trainer.optimizers[0].param_groups for p in group["params"]]
+    record = {
+        "built_on_meta": meta_before_fit or getattr(model, "built_on_meta", False),
+        "optimizer_numel": sum(p.numel() for p in params),
+    }
+    write_json(trainer, f"{case}.json", record)
+
+
+def main() -> None:
+    blocks = {Block}
+    run("ddp", "ddp")
+    run("cpu_offload", FSDPStrategy(auto_wrap_policy=blocks, cpu_offload=True))
+    run("activation_checkpointing", FSDPStrategy(auto_wrap_policy=blocks, activation_checkpointing_policy=blocks))
+    run("no_shard", FSDPStrategy(auto_wrap_policy=blocks, sharding_strategy="NO_SHARD"))
+    run("hybrid_default_mesh", FSDPStrategy(auto_wrap_policy=blocks, sharding_strategy="HYBRID_SHARD"))
+    run("hybrid_2x1", FSDPStrategy(auto_wrap_policy=blocks, sharding_strategy="HYBRID_SHARD", device_mesh=(2, 1)))
+    run("init_module_empty_init", FSDPStrategy(auto_wrap_policy=blocks), build="init_module")
+    run("configure_model", FSDPStrategy(auto_wrap_policy=blocks), build="configure_model")
+    run("sync_module_states", FSDPStrategy(auto_wrap_policy=blocks, sync_module_states=True), build="rank_seeded")
+    run("rank_seeded_without_sync", FSDPStrategy(auto_wrap_policy=blocks), build="rank_seeded")
+
+
+if __name__ == "__main__":
+    main()

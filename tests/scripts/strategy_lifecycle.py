@@ -1,0 +1,91 @@
+"""A model's life under ``myfsdp`` on 2 CPU processes: fit, validate, test, predict, checkpoint, resume.
+
+- "straight": fit 2 epochs with the model summary on (it prints to stdout), save a checkpoint, write the full
+  weights (straight.pt), then validate, test and predict with the sharded model (eval.pt: metrics and rank 0's
+  predictions).
+- "resumed": fit 1 epoch, save a checkpoint, then a new Trainer and a fresh model resume from it for the second
+  epoch (resumed.pt); it must land where "straight" did.
+- "early_optimizer": an optimizer built before sharding must stop fit in setup; rank 0 writes the message.
+
+Usage: python tests/scripts/strategy_lifecycle.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from strategy_common import LitGPT, make_trainer, out_dir, token_loader, write_json
+
+from lightning_fsdp import FSDPStrategy
+from lightning_fsdp.demos.gpt import Block
+
+SAMPLES = 8  # 2 batches of 2 per rank: one epoch is 2 steps
+
+
+def strategy() -> FSDPStrategy:
+    return FSDPStrategy(auto_wrap_policy={Block})
+
+
+def save_weights(trainer: L.Trainer, name: str) -> None:
+    state = trainer.strategy.lightning_module_state_dict()  # a collective: every rank calls it
+    if trainer.global_rank == 0:
+        torch.save(state, out_dir() / name)
+
+
+def straight() -> None:
+    L.seed_everything(0)
+    model = LitGPT()
+    trainer = make_trainer(strategy(), max_epochs=2, enable_model_summary=True)
+    trainer.fit(model, token_loader(SAMPLES, batch_size=2))
+    trainer.save_checkpoint(out_dir() / "straight.ckpt")
+    save_weights(trainer, "straight.pt")
+    evaluation = token_loader(SAMPLES, batch_size=2, seed=2)
+    validated = trainer.validate(model, evaluation, verbose=False)
+    tested = trainer.test(model, evaluation, verbose=False)
+    predictions = trainer.predict(model, evaluation)
+    if trainer.global_rank == 0:
+        torch.save({"validate": validated, "test": tested, "predict": predictions}, out_dir() / "eval.pt")
+
+
+def resumed() -> None:
+    L.seed_everything(0)
+    first = make_trainer(strategy(), max_epochs=1)
+    first.fit(LitGPT(), token_loader(SAMPLES, batch_size=2))
+    first.save_checkpoint(out_dir() / "half.ckpt")
+    model = LitGPT()
+    with torch.no_grad():  # a different start: every weight must come from the checkpoint
+        for param in model.parameters():
+            param.add_(1.0)
+    second = make_trainer(strategy(), max_epochs=2)
+    second.fit(model, token_loader(SAMPLES, batch_size=2), ckpt_path=out_dir() / "half.ckpt")
+    save_weights(second, "resumed.pt")
+
+
+class EarlyOptimizer(LitGPT):
+    """Builds its optimizer in ``setup``, which runs before the strategy shards the model."""
+
+    def setup(self, stage: str) -> None:
+        self.early = torch.optim.AdamW(self.parameters())
+
+    def configure_optimizers(self) -> Any:
+        return self.early
+
+
+def early_optimizer() -> None:
+    trainer = make_trainer(strategy(), max_steps=1)
+    try:
+        trainer.fit(EarlyOptimizer(), token_loader(SAMPLES, batch_size=2))
+    except ValueError as error:
+        write_json(trainer, "early_optimizer.json", str(error))
+
+
+def main() -> None:
+    straight()
+    resumed()
+    early_optimizer()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""FSDPStrategy's configuration, in this process: the registered names, and one clear sentence for each wrong input,
+raised when the strategy or the Trainer is built (or, for the mesh, before the process group exists)."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import Precision
+
+import lightning_fsdp
+from lightning_fsdp import FSDPPrecision, FSDPStrategy, MixedPrecision
+from lightning_fsdp.demos.gpt import Block
+
+
+def cpu_trainer(strategy: object, **kwargs: object) -> L.Trainer:
+    """Building a Trainer launches nothing: processes start only in fit/validate/test/predict."""
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, **kwargs)
+
+
+def assert_one_sentence(error: pytest.ExceptionInfo, *fragments: str) -> None:
+    message = str(error.value)
+    assert message.endswith("."), message
+    assert not re.search(r"\.\s+[A-Z]", message), f"more than one sentence: {message}"
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in: {message}"
+
+
+def test_importing_the_package_registers_the_strategy_names() -> None:
+    assert lightning_fsdp.FSDPStrategy is FSDPStrategy
+    default = cpu_trainer("myfsdp").strategy
+    assert isinstance(default, FSDPStrategy)
+    assert (default.sharding_strategy, default.cpu_offload) == ("FULL_SHARD", False)
+    assert cpu_trainer("myfsdp_shard_grad_op").strategy.sharding_strategy == "SHARD_GRAD_OP"
+    offload = cpu_trainer("myfsdp_cpu_offload").strategy
+    assert (offload.sharding_strategy, offload.cpu_offload) == ("FULL_SHARD", True)
+
+
+def test_class_paths_in_policies_are_imported() -> None:
+    strategy = FSDPStrategy(
+        auto_wrap_policy=["lightning_fsdp.demos.gpt.Block"], activation_checkpointing_policy="torch.nn.Linear"
+    )
+    assert strategy.auto_wrap_policy == {Block}
+    assert strategy.activation_checkpointing_policy == {torch.nn.Linear}
+
+
+@pytest.mark.parametrize(
+    ("precision", "engine_dtype", "model_dtype"),
+    [
+        ("32-true", None, torch.float32),
+        ("bf16-mixed", torch.bfloat16, torch.float32),
+        ("bf16-true", None, torch.bfloat16),
+        ("16-true", None, torch.float16),
+    ],
+)
+def test_trainer_precision_maps_onto_the_engine(
+    precision: str, engine_dtype: torch.dtype | None, model_dtype: torch.dtype
+) -> None:
+    strategy = cpu_trainer("myfsdp", precision=precision).strategy
+    assert isinstance(strategy.precision_plugin, FSDPPrecision)
+    config = strategy.mixed_precision_config
+    if engine_dtype is None:
+        assert config is None
+    else:
+        assert (config.param_dtype, config.reduce_dtype, config.buffer_dtype) == (engine_dtype,) * 3
+    assert strategy.precision_plugin.convert_module(torch.nn.Linear(2, 2)).weight.dtype == model_dtype
+
+
+def test_fp16_mixed_gets_the_sharded_scaler_and_an_explicit_policy_wins() -> None:
+    plugin = FSDPPrecision("16-mixed")
+    assert isinstance(plugin.scaler, lightning_fsdp.ShardedGradScaler)
+    assert plugin.mixed_precision_config == MixedPrecision(torch.float16, torch.float16, torch.float16)
+    explicit = MixedPrecision(param_dtype=torch.bfloat16)
+    strategy = FSDPStrategy(mixed_precision=explicit, precision_plugin=plugin)
+    assert strategy.mixed_precision_config is explicit
+
+
+def test_a_wrong_sharding_strategy() -> None:
+    with pytest.raises(ValueError) as error:
+        FSDPStrategy(sharding_strategy="ZERO3")
+    assert_one_sentence(error, "sharding_strategy='ZERO3'", "'FULL_SHARD'", "'HYBRID_SHARD'")
+
+
+def test_an_auto_wrap_class_path_that_does_not_import() -> None:
+    with pytest.raises(ValueError) as error:
+        FSDPStrategy(auto_wrap_policy={"lightning_fsdp.demos.gpt.Blok"})
+    assert_one_sentence(error, "auto_wrap_policy", "'lightning_fsdp.demos.gpt.Blok'")
+    with pytest.raises(ValueError) as error:
+        FSDPStrategy(activation_checkpointing_policy=["no_such_package.Block"])
+    assert_one_sentence(error, "activation_checkpointing_policy", "'no_such_package.Block'", "No module named")
+
+
+def test_a_device_mesh_that_does_not_match_the_world_size() -> None:
+    trainer = cpu_trainer(FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(3, 1)))
+    with pytest.raises(ValueError) as error:
+        trainer.strategy.setup_environment()  # raises before init_process_group
+    assert_one_sentence(error, "device_mesh=(3, 1)", "3 ranks", "this run has 2")
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("precision", ["64-true", "transformer-engine"])
+def test_an_unsupported_precision(precision: str) -> None:
+    class OtherPrecision(Precision):  # stands in for plugins whose packages are not installed here
+        pass
+
+    OtherPrecision.precision = precision
+    with pytest.raises(ValueError) as error:
+        if precision == "64-true":
+            cpu_trainer("myfsdp", precision=precision)  # through Trainer(precision=...)
+        else:
+            FSDPStrategy(precision_plugin=OtherPrecision())
+    assert_one_sentence(error, f"precision={precision!r}", "'bf16-mixed'")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragments"),
+    [
+        ({"backward_prefetch": "BEFORE"}, ["backward_prefetch='BEFORE'", "'BACKWARD_PRE'"]),
+        ({"state_dict_type": "shards"}, ["state_dict_type='shards'", "'full'"]),
+        ({"device_mesh": (1, 2)}, ["device_mesh=(1, 2)", "HYBRID_SHARD"]),
+        ({"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 0)}, ["(replicate, shard)"]),
+        ({"cpu_offload": "yes"}, ["cpu_offload must be True or False"]),
+        ({"sync_grads_each_micro_batch": 1}, ["sync_grads_each_micro_batch"]),
+        ({"timeout": 20}, ["timeout must be a datetime.timedelta"]),
+        ({"auto_wrap_policy": set()}, ["auto_wrap_policy is an empty set"]),
+        ({"auto_wrap_policy": {int}}, ["not an nn.Module class"]),
+        ({"auto_wrap_policy": 3}, ["auto_wrap_policy=3 is not a policy"]),
+        ({"activation_checkpointing_policy": torch.nn.Linear(2, 2)}, ["a Linear instance", "pass its class"]),
+        ({"mixed_precision": torch.bfloat16}, ["lightning_fsdp.MixedPrecision", "bf16-mixed"]),
+        ({"param_init_fn": "reset"}, ["param_init_fn must be a callable"]),
+    ],
+)
+def test_every_argument_is_checked(kwargs: dict, fragments: list[str]) -> None:
+    with pytest.raises(ValueError) as error:
+        FSDPStrategy(**kwargs)
+    assert_one_sentence(error, *fragments)
+
+
+def test_good_arguments_pass() -> None:
+    strategy = FSDPStrategy(
+        auto_wrap_policy=lambda module, recurse, nonwrapped_numel: recurse or isinstance(module, Block),
+        activation_checkpointing_policy=Block,
+        sharding_strategy="hybrid_shard",
+        device_mesh=[1, 2],
+        timeout=timedelta(seconds=20),
+        backward_prefetch=None,
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+        param_init_fn=lambda module: None,
+    )
+    assert strategy.activation_checkpointing_policy == {Block}
+    assert (strategy.sharding_strategy, strategy.device_mesh, strategy.backward_prefetch) == (
+        "HYBRID_SHARD",
+        (1, 2),
+        None,
+    )

@@ -19,6 +19,7 @@ from lightning_fsdp.engine import (
     size_based_policy,
     summon_full_params,
 )
+from lightning_fsdp.estimate import estimate_memory
 from lightning_fsdp.precision import FSDPPrecision, ShardedGradScaler
 from lightning_fsdp.strategy import FSDPStrategy
 
@@ -34,6 +35,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "clip_grad_norm_",
     "clip_grad_value_",
+    "estimate_memory",
     "fully_shard",
     "no_sync",
     "set_requires_gradient_sync",

@@ -2,6 +2,8 @@
 
     lightning-fsdp fit --config configs/demo.yaml                 # also: validate | test | predict
     lightning-fsdp fit --config configs/demo.yaml --model.n_layer 2 --trainer.max_steps 50
+    lightning-fsdp convert SRC DST --to full|sharded|safetensors  # offline, one process, no model code
+    lightning-fsdp estimate --params 1.3e9 --world-size 8         # per-rank memory of each sharding strategy
 
 Model and data are chosen by ``class_path`` (any LightningModule / LightningDataModule); without one they are
 ``LitGPT`` and ``CharDataModule``. ``trainer.strategy`` may be a registered name (``myfsdp``,
@@ -12,6 +14,7 @@ runs ``lightning_fsdp/__init__.py`` first, which registers them, before any Trai
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -21,7 +24,10 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
-__all__ = ["LightningFSDPCLI", "main", "report_artifacts"]
+from lightning_fsdp.checkpoint.convert import FORMATS, convert
+from lightning_fsdp.estimate import main as estimate_main
+
+__all__ = ["LightningFSDPCLI", "convert_main", "main", "report_artifacts"]
 
 DEFAULT_MODEL = "lightning_fsdp.demos.lit_gpt.LitGPT"
 DEFAULT_DATA = "lightning_fsdp.demos.datamodule.CharDataModule"
@@ -53,6 +59,21 @@ def report_artifacts(trainer: Trainer) -> None:
     print(f"logs: {Path(log_dir).resolve() if log_dir else 'none (no logger)'}", flush=True)
 
 
+def convert_main(argv: list[str]) -> None:
+    """``lightning-fsdp convert``: argparse rather than LightningCLI, since it builds no Trainer."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-fsdp convert",
+        description="Convert a checkpoint between a sharded folder, one full .ckpt and safetensors weights.",
+    )
+    parser.add_argument("src", help="a sharded checkpoint folder or a full .ckpt file")
+    parser.add_argument("dst", help="where to write the result (it appears only when complete)")
+    parser.add_argument("--to", choices=FORMATS, default="full", help="the output format (default: %(default)s)")
+    parser.add_argument("--strip-prefix", default="", help="drop this prefix from names (safetensors), e.g. 'model.'")
+    options = parser.parse_args(argv)
+    convert(options.src, options.dst, options.to, strip_prefix=options.strip_prefix)
+    print(f"wrote {Path(options.dst).resolve()}")
+
+
 def main(args: list[str] | None = None) -> None:
     """The console script's entry point; ``args`` replaces ``sys.argv[1:]`` (for tests).
 
@@ -61,6 +82,13 @@ def main(args: list[str] | None = None) -> None:
     a finished run with SIGABRT ("terminate called without an active exception"; see [Note: gloo exit race] in
     tests/distributed.py). Everything is written and printed by then. A failure raises as usual.
     """
+    argv = sys.argv[1:] if args is None else args
+    if argv and argv[0] == "convert":
+        convert_main(argv[1:])
+        return
+    if argv and argv[0] == "estimate":
+        estimate_main(argv[1:])
+        return
     LightningFSDPCLI(
         LightningModule,
         LightningDataModule,

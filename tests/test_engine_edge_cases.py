@@ -181,3 +181,49 @@ def test_tied_weights_and_nested_units(world_size: int) -> None:
 
 def test_summon_full_params_reads_and_writes_back() -> None:
     run_distributed(_check_summon_full_params, 2)
+
+
+class TwoBackwardsPerForward(nn.Module):
+    """A root whose forward runs backward itself, twice: Lightning's training_step under manual optimization."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = GPT(TINY_GPT)
+
+    def forward(self, batches: list[torch.Tensor]) -> torch.Tensor:
+        losses = []
+        for tokens in batches:
+            loss = self.model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            losses.append(loss.detach())
+        return torch.stack(losses)
+
+
+def _check_backward_inside_forward(rank: int, world_size: int) -> None:
+    for strategy in STRATEGIES:
+        torch.manual_seed(0)
+        reference = GPT(TINY_GPT)
+        root = fully_shard(TwoBackwardsPerForward(), {Block}, sharding_strategy=strategy)  # root owns embeddings
+        with torch.no_grad(), summon_full_params(root):
+            root.model.load_state_dict(reference.state_dict())
+        optimizer = torch.optim.SGD(root.parameters(), lr=0.1)
+        ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for step in range(2):
+            same_on_every_rank = torch.Generator().manual_seed(step)
+            shape = (2, TINY_GPT.block_size + 1)
+            batches = [torch.randint(0, TINY_GPT.vocab_size, shape, generator=same_on_every_rank) for _ in range(2)]
+            root(batches)
+            for tokens in batches:
+                reference(tokens[:, :-1], tokens[:, 1:]).backward()
+            optimizer.step()
+            ref_optimizer.step()
+            optimizer.zero_grad()
+            ref_optimizer.zero_grad()
+        with summon_full_params(root, writeback=False):
+            for (name, param), ref_param in zip(root.model.named_parameters(), reference.parameters(), strict=True):
+                error = max_relative_error(param.detach(), ref_param.detach())
+                assert error < RTOL, f"[{strategy}] {name}: relative error {error:.2e}"
+
+
+def test_backward_inside_the_root_forward_keeps_it_gathered() -> None:
+    run_distributed(_check_backward_inside_forward, 2)

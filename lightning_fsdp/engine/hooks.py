@@ -13,6 +13,12 @@ Read top to bottom, this file is the six stages of DESIGN.md's "One training ste
 its outputs exist, so a hook on those outputs is the first moment the unit's full parameters are needed again --
 and it fires before any op inside the unit. A unit called twice gets two hooks; the second finds it unsharded.
 
+[Note: backward inside a forward] Under Lightning the root unit's forward is the whole training_step, and with
+manual optimization that step runs backward itself, maybe several times (a GAN: one per optimizer). A unit whose
+forward is still running when a backward ends must stay gathered: the rest of its forward uses its parameters.
+So post-backward and the final callback leave a unit with ``in_forward`` set gathered (its gradients are reduced
+as usual), and its own post-forward decides as it always does.
+
 [Note: post-backward by counting] A post-accumulate-grad hook fires exactly once per backward for every leaf that
 received a gradient, after all its uses have been summed (a unit called twice included). When the count reaches
 the unit's trainable parameters, its gradients are complete. A unit some of whose parameters got no gradient
@@ -119,9 +125,12 @@ class RootContext:
 
     def reshard_all(self) -> None:
         for unit in self.units:
+            unit.grads_seen = 0
+            if unit.in_forward:  # see [Note: backward inside a forward]
+                unit.training_state = TrainingState.FORWARD
+                continue
             unit.reshard()
             unit.training_state = TrainingState.IDLE
-            unit.grads_seen = 0
 
 
 def context_of(unit: FSDPUnit) -> RootContext:
@@ -139,6 +148,7 @@ def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) ->
         unit.wait_for_unshard()
         return None
     unit.training_state = TrainingState.FORWARD
+    unit.in_forward = True
     if torch.is_grad_enabled():
         context.record_forward(unit)
         unit.grads_expected = unit.num_trainable()
@@ -161,6 +171,7 @@ def post_forward(unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) ->
     if unit.training_state is TrainingState.PRE_BACKWARD:  # recomputation: backward needs the parameters next
         return output
     unit.training_state = TrainingState.IDLE
+    unit.in_forward = False
     if unit.options.reshard_after_forward and not unit.is_root:
         unit.reshard()
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -196,7 +207,8 @@ def post_backward(unit: FSDPUnit) -> None:
         context.prefetch(context.neighbour(unit, -1))
     if unit.requires_grad_sync:
         context.enqueue_reduction(unit.reduce_grads())
-    unit.reshard()
+    if not unit.in_forward:  # see [Note: backward inside a forward]
+        unit.reshard()
     unit.training_state = TrainingState.POST_BACKWARD
 
 

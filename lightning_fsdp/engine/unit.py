@@ -86,6 +86,7 @@ class FSDPUnit:
         self.shard_state = ShardState.SHARDED if params else ShardState.UNSHARDED
         self.training_state = TrainingState.IDLE
         self.is_root = False
+        self.in_forward = False  # between this unit's pre- and post-forward (backward may run in between)
         self.requires_grad_sync = True
         self._pending_gather: collectives.PendingAllGather | None = None
         self.prefetched = False  # unsharded ahead of use; cleared when the unit is used

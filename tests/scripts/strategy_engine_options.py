@@ -7,7 +7,9 @@ OUT_DIR/<case>.pt:
 - deferred init through ``trainer.init_module(empty_init=True)`` and through ``configure_model``: the engine
   materializes the meta modules in module order after the strategy re-seeds, so it reproduces the eager init;
 - sync_module_states: each rank starts from its own seed, and rank 0's weights must win, as DDP's do (and
-  without the option they must not: rank_seeded_without_sync is the control).
+  without the option they must not: rank_seeded_without_sync is the control);
+- manual optimization with two optimizers, two forwards and two backwards in one training_step (a GAN's shape),
+  against DDP doing the same (ddp_manual).
 
 OUT_DIR/<case>.json records whether the model was on the meta device before setup, and how many elements the
 optimizer steps on rank 0.
@@ -30,6 +32,26 @@ STEPS = 4
 LOCAL_BATCH = 2
 
 
+class TwoOptimizers(LitGPT):
+    """Manual optimization: the blocks and the rest each get their own optimizer, forward and backward per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        for optimizer in self.optimizers():
+            loss = self.model(batch[:, :-1], batch[:, 1:])
+            self.manual_backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        blocks = [p for name, p in self.named_parameters() if ".blocks." in name]
+        rest = [p for name, p in self.named_parameters() if ".blocks." not in name]
+        return [torch.optim.AdamW(params, lr=self.lr, eps=1e-5, weight_decay=0.1) for params in (blocks, rest)]
+
+
 def run(case: str, strategy: Any, build: str = "eager") -> None:
     L.seed_everything(0)
     trainer = make_trainer(strategy, max_steps=STEPS)
@@ -38,6 +60,8 @@ def run(case: str, strategy: Any, build: str = "eager") -> None:
             model = LitGPT()
     elif build == "configure_model":
         model = LitGPT(in_configure_model=True)
+    elif build == "manual":
+        model = TwoOptimizers()
     elif build == "rank_seeded":
         L.seed_everything(trainer.global_rank)  # different weights on each rank until rank 0's are broadcast
         model = LitGPT()
@@ -46,7 +70,7 @@ def run(case: str, strategy: Any, build: str = "eager") -> None:
         model = LitGPT()
     meta_before_fit = model.model is not None and next(model.parameters()).is_meta
     trainer.fit(model, token_loader(STEPS * LOCAL_BATCH * 2, LOCAL_BATCH))
-    state = trainer.strategy.lightning_module_state_dict() if case != "ddp" else model.state_dict()
+    state = trainer.strategy.lightning_module_state_dict() if not case.startswith("ddp") else model.state_dict()
     if trainer.global_rank == 0:
         torch.save(state, out_dir() / f"{case}.pt")
     params = [p for group in trainer.optimizers[0].param_groups for p in group["params"]]
@@ -69,6 +93,8 @@ def main() -> None:
     run("configure_model", FSDPStrategy(auto_wrap_policy=blocks), build="configure_model")
     run("sync_module_states", FSDPStrategy(auto_wrap_policy=blocks, sync_module_states=True), build="rank_seeded")
     run("rank_seeded_without_sync", FSDPStrategy(auto_wrap_policy=blocks), build="rank_seeded")
+    run("ddp_manual", "ddp", build="manual")
+    run("manual_two_optimizers", FSDPStrategy(auto_wrap_policy=blocks), build="manual")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_fsdp.engine import collectives
+from lightning_fsdp.engine.buffers import BufferPool
 from lightning_fsdp.engine.param import ShardLayout
 from tests.distributed import run_distributed
 
@@ -41,7 +42,8 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
         padded[: local.numel()] = local
         shards.append(padded)
     # All-gather then unpack: every rank ends with every full tensor.
-    output = collectives.all_gather_shards(shards, group, world_size).wait()
+    pool = BufferPool()
+    output = collectives.all_gather_shards(shards, group, world_size, torch.float32, pool).wait()
     assert output.numel() == world_size * sum(layout.shard_numel for layout in layouts), "one flat, padded buffer"
     dests = [torch.full((layout.padded_numel,), -1.0) for layout in layouts]
     collectives.unpack_all_gather(output, world_size, [layout.shard_numel for layout in layouts], dests)
@@ -53,7 +55,8 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
         padded = torch.zeros(layout.padded_numel)
         padded[: full.numel()] = full.reshape(-1) * (rank + 1)
         by_rank.append(padded.view(world_size, layout.shard_numel))
-    reduced = collectives.reduce_scatter(collectives.pack_for_reduce_scatter(by_rank), group, world_size).wait()
+    send = collectives.pack_for_reduce_scatter(by_rank, pool)
+    reduced = collectives.reduce_scatter(send, group, world_size, pool).wait()
     scale = world_size * (world_size + 1) / 2
     offset = 0
     for shard, layout in zip(shards, layouts, strict=True):
@@ -67,3 +70,19 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gather_unpack_and_reduce_scatter_round_trip(world_size: int) -> None:
     run_distributed(_check_gather_and_reduce, world_size)
+
+
+def test_pool_reuses_buffers_by_size_and_keeps_few() -> None:
+    pool = BufferPool()
+    first = pool.take(10, torch.float32, torch.device("cpu"))
+    pool.give(first)
+    assert pool.take(10, torch.float32, torch.device("cpu")).data_ptr() == first.data_ptr(), "a freed buffer is reused"
+    assert pool.take(10, torch.float32, torch.device("cpu")).data_ptr() != first.data_ptr(), "a taken one is not"
+    given = [torch.empty(7) for _ in range(5)]
+    for tensor in given:
+        pool.give(tensor)
+    taken = {pool.take(7, torch.float32, torch.device("cpu")).data_ptr() for _ in range(3)}
+    assert len(taken & {t.data_ptr() for t in given}) == 2, "at most two buffers of one size are kept"
+    nothing_kept = BufferPool(retain=False)
+    nothing_kept.give(first)
+    assert nothing_kept.take(10, torch.float32, torch.device("cpu")).data_ptr() != first.data_ptr()

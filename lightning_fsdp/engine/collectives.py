@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from lightning_fsdp.engine.buffers import BufferPool
+
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -29,10 +31,14 @@ def _is_gloo(group: ProcessGroup) -> bool:
 
 @dataclass
 class PendingAllGather:
-    """An all-gather in flight: ``output`` holds every rank's packed shards, rank-major, once ``work`` is done."""
+    """An all-gather in flight: ``output`` holds every rank's packed shards, rank-major, once ``work`` is done.
+
+    ``send`` is kept alive until then: the collective reads it asynchronously.
+    """
 
     output: torch.Tensor
     work: dist.Work | None
+    send: torch.Tensor
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -42,18 +48,22 @@ class PendingAllGather:
 
 
 def all_gather_shards(
-    shards: list[torch.Tensor], group: ProcessGroup | None, world_size: int, dtype: torch.dtype | None = None
+    shards: list[torch.Tensor], group: ProcessGroup | None, world_size: int, dtype: torch.dtype, pool: BufferPool
 ) -> PendingAllGather:
-    """Pack this rank's (padded) shards into one buffer, cast to ``dtype``, and all-gather it asynchronously."""
-    send = torch.cat([shard.reshape(-1) for shard in shards])
-    if dtype is not None and send.dtype != dtype:
-        send = send.to(dtype)
-    output = send.new_empty(world_size * send.numel())
+    """Pack this rank's (padded) shards into one ``dtype`` buffer and all-gather it asynchronously."""
+    numel = sum(shard.numel() for shard in shards)
+    device = shards[0].device
+    send = pool.take(numel, dtype, device)
+    if all(shard.dtype == dtype for shard in shards):
+        torch.cat([shard.reshape(-1) for shard in shards], out=send)
+    else:  # mixed precision: the cast is the packing copy
+        torch._foreach_copy_(list(send.split([shard.numel() for shard in shards])), [s.reshape(-1) for s in shards])
+    output = pool.take(world_size * numel, dtype, device)
     if world_size == 1:
         output.copy_(send)
-        return PendingAllGather(output, None)
+        return PendingAllGather(output, None, send)
     work = _all_gather_flat(output, send, group=group, async_op=True)
-    return PendingAllGather(output, work)
+    return PendingAllGather(output, work, send)
 
 
 def unpack_all_gather(
@@ -70,18 +80,25 @@ def unpack_all_gather(
     )
 
 
-def pack_for_reduce_scatter(grads_by_rank: list[torch.Tensor]) -> torch.Tensor:
+def pack_for_reduce_scatter(grads_by_rank: list[torch.Tensor], pool: BufferPool) -> torch.Tensor:
     """Concatenate (world_size, shard_numel_i) gradient views into one (world_size, shard_sum) send buffer."""
-    return torch.cat(grads_by_rank, dim=1)
+    rows, columns = grads_by_rank[0].size(0), sum(g.size(1) for g in grads_by_rank)
+    send = pool.take(rows * columns, grads_by_rank[0].dtype, grads_by_rank[0].device).view(rows, columns)
+    return torch.cat(grads_by_rank, dim=1, out=send)
 
 
 @dataclass
 class PendingReduceScatter:
-    """A reduce-scatter in flight; ``wait`` returns this rank's summed shard of the flat buffer."""
+    """A reduce-scatter in flight; ``wait`` returns this rank's summed shard of the flat buffer.
+
+    ``recycle`` lists the pooled buffers the collective uses, handed back to ``pool`` once it is done.
+    """
 
     buffer: torch.Tensor
     work: dist.Work | None
     needs_local_sum: bool
+    pool: BufferPool | None = None
+    recycle: tuple[torch.Tensor, ...] = ()
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -90,25 +107,34 @@ class PendingReduceScatter:
         if self.needs_local_sum:
             self.buffer = self.buffer.sum(dim=0)
             self.needs_local_sum = False
+        if self.pool is not None:
+            for tensor in self.recycle:
+                self.pool.give(tensor)
+            self.pool, self.recycle = None, ()
         return self.buffer
 
 
-def reduce_scatter(send: torch.Tensor, group: ProcessGroup | None, world_size: int) -> PendingReduceScatter:
-    """Sum a (world_size, shard_sum) buffer over ranks and keep row ``rank`` of the sum, asynchronously."""
+def reduce_scatter(
+    send: torch.Tensor, group: ProcessGroup | None, world_size: int, pool: BufferPool
+) -> PendingReduceScatter:
+    """Sum a (world_size, shard_sum) buffer over ranks and keep row ``rank`` of the sum, asynchronously.
+
+    The result never aliases a pooled buffer: it becomes the parameters' ``.grad``.
+    """
     if world_size == 1 or group is None:
-        return PendingReduceScatter(send.view(-1), None, needs_local_sum=False)
+        return PendingReduceScatter(send.view(-1).clone(), None, False, pool, (send,))
     if _is_gloo(group):  # see [Note: reduce-scatter on gloo]
-        received = torch.empty_like(send)
+        received = pool.take(send.numel(), send.dtype, send.device).view_as(send)
         work = dist.all_to_all_single(received.view(-1), send.view(-1), group=group, async_op=True)
-        return PendingReduceScatter(received, work, needs_local_sum=True)
+        return PendingReduceScatter(received, work, True, pool, (send, received))
     output = send.new_empty(send.size(1))
     work = _reduce_scatter_flat(output, send.view(-1), group=group, async_op=True)
-    return PendingReduceScatter(output, work, needs_local_sum=False)
+    return PendingReduceScatter(output, work, False, pool, (send,))
 
 
-def all_reduce(flat: torch.Tensor, group: ProcessGroup, world_size: int) -> PendingReduceScatter:
+def all_reduce(flat: torch.Tensor, group: ProcessGroup | None, world_size: int) -> PendingReduceScatter:
     """Sum a flat buffer over ranks in place, asynchronously (NO_SHARD's one collective per unit)."""
-    if world_size == 1:
+    if world_size == 1 or group is None:
         return PendingReduceScatter(flat, None, needs_local_sum=False)
     work = dist.all_reduce(flat, group=group, async_op=True)
     return PendingReduceScatter(flat, work, needs_local_sum=False)

@@ -35,6 +35,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_fsdp.engine.buffers import BufferPool
 from lightning_fsdp.engine.options import BackwardPrefetch
 from lightning_fsdp.engine.registry import units_under
 from lightning_fsdp.engine.unit import FSDPUnit, PendingGradReduction, ShardState, TrainingState
@@ -53,6 +54,7 @@ class RootContext:
         self._position: dict[int, int] = {}
         self.order_frozen = False
         self.pending: deque[PendingGradReduction] = deque()
+        self.pool = BufferPool()
         self.callback_queued = False
 
     def lazy_init(self) -> None:

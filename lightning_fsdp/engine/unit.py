@@ -16,8 +16,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine import collectives
+from lightning_fsdp.engine.buffers import BufferPool
 from lightning_fsdp.engine.options import ShardingOptions
 from lightning_fsdp.engine.param import FSDPParam
+
+_NO_POOL = BufferPool(retain=False)
 
 
 class ShardState(Enum):
@@ -95,6 +98,10 @@ class FSDPUnit:
         self.grads_seen = 0  # gradients accumulated so far in this backward
         self.hooked_params: set[int] = set()  # ids of the grad tensors carrying our post-accumulate hook
 
+    def pool(self) -> BufferPool:
+        """The root's pool of collective buffers (see [Note: why pool on CPU]); none before the first forward."""
+        return self.context.pool if self.context is not None else _NO_POOL
+
     def __repr__(self) -> str:
         return f"FSDPUnit({type(self.module).__name__}, params={len(self.params) + len(self.replicated)})"
 
@@ -107,9 +114,11 @@ class FSDPUnit:
         for fsdp_param in self.params:
             fsdp_param.alloc_unsharded()
         shards = [fsdp_param.padded_shard for fsdp_param in self.params]
-        dtype = self.options.mixed_precision.param_dtype
+        dtype = self.options.mixed_precision.param_dtype or shards[0].dtype
         with torch.no_grad():
-            self._pending_gather = collectives.all_gather_shards(shards, self.shard_group, self.world_size, dtype)
+            self._pending_gather = collectives.all_gather_shards(
+                shards, self.shard_group, self.world_size, dtype, self.pool()
+            )
         self.shard_state = ShardState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
@@ -119,8 +128,8 @@ class FSDPUnit:
         if self.shard_state is ShardState.UNSHARDED:
             return
         assert self._pending_gather is not None
-        output = self._pending_gather.wait()
-        self._pending_gather = None
+        pending, self._pending_gather = self._pending_gather, None
+        output = pending.wait()
         with torch.no_grad():
             collectives.unpack_all_gather(
                 output,
@@ -128,6 +137,8 @@ class FSDPUnit:
                 [fsdp_param.layout.shard_numel for fsdp_param in self.params],
                 [fsdp_param.unsharded_buffer for fsdp_param in self.params],
             )
+        self.pool().give(pending.send)
+        self.pool().give(output)
         for fsdp_param in self.params:
             fsdp_param.register_unsharded()
         self.shard_state = ShardState.UNSHARDED
@@ -174,11 +185,15 @@ class FSDPUnit:
             if grad is None:
                 grad = fsdp_param.sharded.new_zeros(self.world_size, fsdp_param.layout.shard_numel)
             views.append(grad)
+        pool = self.pool()
         with torch.no_grad():
-            send, divide_after = self._in_reduce_dtype(collectives.pack_for_reduce_scatter(views))
+            packed = collectives.pack_for_reduce_scatter(views, pool)
+            send, divide_after = self._in_reduce_dtype(packed)
+        if send is not packed:
+            pool.give(packed)
         for fsdp_param in trainable:
             fsdp_param.unsharded.grad = None
-        pending = collectives.reduce_scatter(send, self.shard_group, self.world_size)
+        pending = collectives.reduce_scatter(send, self.shard_group, self.world_size, pool)
         return PendingGradReduction(self, pending, had_grad, divide_after)
 
     def _all_reduce_grads(self) -> PendingGradReduction | None:

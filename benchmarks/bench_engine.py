@@ -4,6 +4,9 @@
     python benchmarks/bench_engine.py --preset tiny          # seconds, for a smoke test
     python benchmarks/bench_engine.py --impls fsdp2,ddp --json benchmarks/results/run.json
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_engine.py   # same, under torchrun
+    python benchmarks/bench_engine.py --largest --batch-size 1 --json benchmarks/results/largest.json
+    python benchmarks/bench_engine.py --from-json benchmarks/results/run.json benchmarks/results/largest.json \
+        --plot benchmarks/plot.png                        # re-print and draw saved runs, without running
 
 Why it is built this way:
 
@@ -28,6 +31,14 @@ Why it is built this way:
   intervals in which the backend (gloo's worker threads) runs a collective; "comm exposed" is the part of it
   during which the training thread runs no compute operator. The latter is an upper bound on waiting: Python
   work between operators (hooks, bookkeeping) also counts as exposed. The same rule applies to all three.
+- ``--largest`` turns the paper's "significantly larger models" into one number: at a fixed per-rank budget (by
+  default what DDP's parameters, gradients and optimizer state measure on the chosen model), the largest model
+  each strategy fits according to ``lightning_fsdp.estimate``, and one measured step of a model that the estimator
+  says fits FULL_SHARD but not DDP. Its peak is measured too (allocator events under ``torch.profiler``), because
+  the steady bytes after a step leave out the units gathered during it.
+- ``--plot`` draws step time, memory per implementation and memory against model size (the estimator's lines
+  with the measured points on them) into one PNG, from the same payload ``--json`` writes, so a saved run can
+  be drawn again with ``--from-json``.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import argparse
 import contextlib
 import faulthandler
 import gc
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -44,12 +56,13 @@ import os
 import resource
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -70,6 +83,7 @@ if importlib.util.find_spec("lightning_fsdp") is None:
 from lightning_fsdp.demos.corpus import VOCAB_SIZE, load_corpus, random_batches  # noqa: E402
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig  # noqa: E402
 from lightning_fsdp.engine.comm_stats import CollectiveCounter  # noqa: E402
+from lightning_fsdp.estimate import MemoryEstimate, estimate_memory, largest_trainable  # noqa: E402
 
 IMPLS = ("ours", "fsdp2", "ddp")
 
@@ -110,6 +124,12 @@ class BenchArgs:
     profile: bool
     timeout: float
     json: str | None
+    plot: str | None = None
+    largest: bool = False
+    budget_mib: float | None = None
+    from_json: tuple[str, ...] = ()
+    # One more untimed step under the profiler's memory events, for the step's peak (--largest uses it).
+    peak: bool = False
 
     def gpt_config(self) -> GPTConfig:
         return GPTConfig(
@@ -149,6 +169,25 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step (no comm time)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per (round, impl) before giving up")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every number (and raw data) here")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="draw the results into this PNG (matplotlib)")
+    parser.add_argument(
+        "--largest",
+        action="store_true",
+        help="instead of the comparison: the largest model ours and DDP fit in --budget-mib, estimated and measured",
+    )
+    parser.add_argument(
+        "--budget-mib",
+        type=float,
+        default=None,
+        help="per-rank budget for --largest (default: DDP's measured params+grads+optim on the chosen model)",
+    )
+    parser.add_argument(
+        "--from-json",
+        nargs="+",
+        default=(),
+        metavar="PATH",
+        help="run nothing: re-print (and --plot) these saved --json files (a comparison and/or a --largest run)",
+    )
     ns = parser.parse_args(argv)
 
     sizes = {
@@ -177,6 +216,10 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         profile=not ns.no_profile,
         timeout=ns.timeout,
         json=ns.json,
+        plot=ns.plot,
+        largest=ns.largest,
+        budget_mib=ns.budget_mib,
+        from_json=tuple(ns.from_json),
         **sizes,
     )
 
@@ -368,14 +411,45 @@ def profiled_step(
     }
 
 
+def peak_step(
+    trainee: Trainee,
+    optimizer: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    args: BenchArgs,
+    data_bytes: int,
+) -> tuple[float, dict[str, int]]:
+    """One step under the profiler's memory events; returns its loss and the peak bytes of all tensors in it.
+
+    The CPU allocator reports each allocation and free to the profiler, but not the free of a block allocated
+    before profiling started. So the last step's gradients are freed first, the live tensors are counted then
+    (``start``, less ``data_bytes``), and the peak is ``start`` plus the highest running sum of the step's
+    allocations and frees. It includes activations and the collectives' temporaries, which the steady state
+    bytes leave out.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    start = live_tensor_bytes() - data_bytes
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = train_step(trainee, optimizer, batch, args)
+    events = prof.profiler.kineto_results.events() if prof.profiler is not None else []
+    deltas = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    running = highest = 0
+    for _, nbytes in deltas:
+        running += nbytes
+        highest = max(highest, running)
+    return loss, {"step_start_tensor_bytes": start, "step_peak_tensor_bytes": start + highest}
+
+
 def run_impl(impl: str, args: BenchArgs, rank: int, world_size: int) -> dict[str, Any]:
     """Train ``impl`` for one round on this rank and measure it; returns this rank's numbers."""
     baseline_rss = peak_rss_bytes()
     tokens = load_corpus(max_bytes=CORPUS_BYTES)
     generator = torch.Generator().manual_seed(args.seed * 1_000_003 + rank)  # distinct batches per rank
-    total_steps = args.warmup + args.steps + 1 + int(args.profile)
+    total_steps = args.warmup + args.steps + 1 + int(args.profile) + int(args.peak)
     batches = [random_batches(tokens, args.batch_size, args.block_size, generator) for _ in range(total_steps)]
     batch_iter = iter(batches)
+    # The corpus and the batches (8 bytes a token) are the same under every implementation and no part of
+    # what sharding changes: the peak step leaves them out.
+    data_bytes = live_tensor_bytes() if args.peak else 0
 
     trainee = build(impl, args)
     optimizer = torch.optim.AdamW(trainee.model.parameters(), lr=args.lr, foreach=True)
@@ -395,6 +469,10 @@ def run_impl(impl: str, args: BenchArgs, rank: int, world_size: int) -> dict[str
     if args.profile:
         loss, comm_time = profiled_step(trainee, optimizer, next(batch_iter), args)
         losses.append(loss)
+    peak: dict[str, int] = {}
+    if args.peak:
+        loss, peak = peak_step(trainee, optimizer, next(batch_iter), args, data_bytes)
+        losses.append(loss)
     return {
         "impl": impl,
         "rank": rank,
@@ -408,6 +486,7 @@ def run_impl(impl: str, args: BenchArgs, rank: int, world_size: int) -> dict[str
         "comm_counts": dict(comm.counts),
         "comm_bytes": dict(comm.bytes),
         **comm_time,
+        **peak,
     }
 
 
@@ -574,6 +653,7 @@ def summarize(impl: str, rounds: list[list[dict[str, Any]] | str], args: BenchAr
         "step_time_median_s": statistics.median(step_times),
         # Noise on a shared machine only ever adds time, so the fastest step is the steadier comparison.
         "step_time_min_s": min(step_times),
+        "step_time_max_s": max(step_times),
         "step_time_round_medians_s": round_medians,
         "state_bytes": {k: max(r["state_bytes"][k] for r in first) for k in first[0]["state_bytes"]},
         "live_tensor_bytes": max(r["live_tensor_bytes"] for r in first),
@@ -696,11 +776,390 @@ def report(summaries: dict[str, dict[str, Any]], args: BenchArgs, rss_isolated: 
     return lines
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def source_state() -> dict[str, Any]:
+    """Which code the numbers come from: the commit, and a hash of the engine's files as they were on disk.
+
+    The engine changes under the benchmark while people work on it; the hash tells two runs of the same
+    commit apart when the working tree differed.
+    """
+    digest = hashlib.sha1()
+    for path in sorted((_REPO_ROOT / "lightning_fsdp" / "engine").glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    commit = subprocess.run(
+        ["git", "-C", str(_REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(_REPO_ROOT), "status", "--porcelain", "--", "lightning_fsdp"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return {"commit": commit or None, "lightning_fsdp_modified": bool(dirty), "engine_sha1": digest.hexdigest()[:12]}
+
+
+def source_line(source: dict[str, Any]) -> str:
+    """The report's first line: which code produced the numbers (see :func:`source_state`)."""
+    modified = " + uncommitted changes in lightning_fsdp/" if source["lightning_fsdp_modified"] else ""
+    return f"code: commit {source['commit']}{modified} (engine files sha1 {source['engine_sha1']})"
+
+
+# ----------------------------------------------------------------------------------------- largest model
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """The demo GPT at one width, by depth: its parameter count is exactly ``root + n_layer * block``.
+
+    Depth is the knob because it leaves the largest sharding unit (one ``Block``) the same size, so the
+    estimator's working set of gathered units stays fixed while the sharded part grows.
+    """
+
+    block: int  # parameters of one Block, the largest unit
+    root: int  # parameters outside the blocks (tied embedding and head, positions, final norm): the root unit
+
+    def params(self, n_layer: int) -> int:
+        return self.root + n_layer * self.block
+
+    def deepest(self, max_params: int) -> int:
+        """The most layers whose model has at most ``max_params`` parameters."""
+        return max(0, (max_params - self.root) // self.block)
+
+    def estimate(self, num_params: int, world_size: int, strategy: str) -> MemoryEstimate:
+        return estimate_memory(num_params, world_size, strategy, largest_unit=self.block, root_unit=self.root)
+
+    def largest(self, budget_bytes: int, world_size: int, strategy: str) -> int:
+        return largest_trainable(budget_bytes, world_size, strategy, largest_unit=self.block, root_unit=self.root)
+
+
+def model_family(args: BenchArgs) -> ModelFamily:
+    """Count one block and the rest on the meta device (no memory), at the width ``args`` gives."""
+    with torch.device("meta"):
+        model = GPT(replace(args.gpt_config(), n_layer=1))
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    return ModelFamily(block=block, root=sum(p.numel() for p in model.parameters()) - block)
+
+
+def largest_at(family: ModelFamily, budget_bytes: int, world_size: int) -> dict[str, Any]:
+    """The largest DDP and FULL_SHARD models whose estimated per-rank peak fits ``budget_bytes``."""
+    ddp = family.largest(budget_bytes, world_size, "DDP")
+    full_shard = family.largest(budget_bytes, world_size, "FULL_SHARD")
+    return {
+        "budget_bytes": budget_bytes,
+        "ddp_params": ddp,
+        "full_shard_params": full_shard,
+        "ratio": full_shard / ddp if ddp else None,
+        "ddp_layers": family.deepest(ddp),
+        "full_shard_layers": family.deepest(full_shard),
+    }
+
+
+def _one_step_summary(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A --largest run's numbers: the worst rank's bytes, the rank-mean loss curve."""
+    return {
+        "num_params": ranks[0]["num_params"],
+        "state_bytes": {k: max(r["state_bytes"][k] for r in ranks) for k in ranks[0]["state_bytes"]},
+        "step_start_tensor_bytes": max(r["step_start_tensor_bytes"] for r in ranks),
+        "step_peak_tensor_bytes": max(r["step_peak_tensor_bytes"] for r in ranks),
+        "loss_curve": [statistics.fmean(step) for step in zip(*(r["losses"] for r in ranks), strict=True)],
+    }
+
+
+def run_largest(args: BenchArgs) -> dict[str, Any]:
+    """Estimate the largest model each strategy fits in the budget, then measure a step of one in between."""
+    source = source_state()
+    family = model_family(args)
+    world_size = args.world_size
+    one_step = replace(args, warmup=0, steps=1, rounds=1, profile=False)
+    if args.budget_mib is not None:
+        budget = int(args.budget_mib * 2**20)
+        budget_source = "--budget-mib"
+    else:
+        start = time.monotonic()
+        outcome = spawn_impl("ddp", one_step)
+        print(f"budget: ddp on the {args.n_layer}-layer model in {time.monotonic() - start:.1f} s", flush=True)
+        if isinstance(outcome, str):
+            raise SystemExit(f"ddp on the {args.n_layer}-layer model failed, so there is no budget: {outcome}")
+        budget = max(r["state_bytes"]["total"] for r in outcome)
+        budget_source = (
+            f"DDP's measured params+grads+optim on the {args.n_layer}-layer model "
+            f"({family.params(args.n_layer) / 1e6:.1f}M params)"
+        )
+    at_budget = largest_at(family, budget, world_size)
+    # How the ratio grows with the budget: the gathered units are a fixed cost that matters less and less.
+    scan = [largest_at(family, budget * factor, world_size) for factor in (1, 2, 4, 8)]
+    n_layer = at_budget["full_shard_layers"]
+    if n_layer <= at_budget["ddp_layers"]:
+        raise SystemExit(
+            f"at {budget / 2**20:.1f} MiB no whole number of layers fits FULL_SHARD but not DDP; raise --budget-mib"
+        )
+    big = replace(one_step, n_layer=n_layer, peak=True)
+    measured: dict[str, Any] = {}
+    for impl in ("ours", "ddp"):
+        start = time.monotonic()
+        outcome = spawn_impl(impl, big)
+        ok = isinstance(outcome, list)
+        print(f"{impl:6s} {'ok' if ok else 'FAILED'} in {time.monotonic() - start:.1f} s", flush=True)
+        measured[impl] = _one_step_summary(outcome) if isinstance(outcome, list) else {"failed": outcome}
+    num_params = family.params(n_layer)
+    estimates = {
+        impl: asdict(family.estimate(num_params, world_size, strategy))
+        for impl, strategy in (("ours", "FULL_SHARD"), ("ddp", "DDP"))
+    }
+    payload = {
+        "kind": "largest",
+        "args": asdict(args),
+        "torch": torch.__version__,
+        "source": source,
+        "family": asdict(family),
+        "budget_bytes": budget,
+        "budget_source": budget_source,
+        "at_budget": at_budget,
+        "budget_scan": scan,
+        "measured_n_layer": n_layer,
+        "measured_params": num_params,
+        "estimates": estimates,
+        "measured": measured,
+    }
+    payload["report"] = [source_line(source), *largest_report(payload)]
+    return payload
+
+
+def largest_report(payload: dict[str, Any]) -> list[str]:
+    """The --largest run as text: the estimator's answer, then the measured step against the budget."""
+    budget, at, family = payload["budget_bytes"], payload["at_budget"], payload["family"]
+    world_size = payload["args"]["world_size"]
+    whole_layers = (family["root"] + at["full_shard_layers"] * family["block"]) / (
+        family["root"] + at["ddp_layers"] * family["block"]
+    )
+    lines = [
+        f"budget: {_mb(budget)} per rank = {payload['budget_source']}",
+        f"estimator (lightning_fsdp.estimate, W={world_size}, fp32 AdamW; unit = one Block of "
+        f"{family['block'] / 1e6:.2f}M params, root {family['root'] / 1e6:.2f}M):",
+        f"  largest DDP         {at['ddp_params'] / 1e6:7.1f}M params ({at['ddp_layers']} whole layers)",
+        f"  largest FULL_SHARD  {at['full_shard_params'] / 1e6:7.1f}M params ({at['full_shard_layers']} whole layers)",
+        f"  ratio FULL_SHARD/DDP {at['ratio']:.2f} (in whole layers {whole_layers:.2f}); target >= 1.80",
+        "  ratio at 1x 2x 4x 8x the budget: " + " ".join(f"{row['ratio']:.2f}" for row in payload["budget_scan"]),
+        f"measured: one step of the {payload['measured_n_layer']}-layer model "
+        f"({payload['measured_params'] / 1e6:.1f}M params), which the estimator fits in FULL_SHARD but not DDP:",
+    ]
+    measured, estimates = payload["measured"], payload["estimates"]
+    impls = [impl for impl in ("ours", "ddp") if "failed" not in measured[impl]]
+    for impl in ("ours", "ddp"):
+        if impl not in impls:
+            lines.append(f"WARNING: {impl} failed: {measured[impl]['failed'].strip()[-500:]}")
+    rows: list[tuple[str, Callable[[str], int]]] = [
+        ("params+grads+optim, measured", lambda i: measured[i]["state_bytes"]["total"]),
+        (
+            "params+grads+optim, estimator",
+            lambda i: estimates[i]["params"] + estimates[i]["grads"] + estimates[i]["optimizer_state"],
+        ),
+        (
+            "+ gathered units, estimator",
+            lambda i: (
+                estimates[i]["params"]
+                + estimates[i]["grads"]
+                + estimates[i]["optimizer_state"]
+                + estimates[i]["unsharded_working_set"]
+            ),
+        ),
+        ("all tensors but data, step start", lambda i: measured[i]["step_start_tensor_bytes"]),
+        ("all tensors but data, step peak", lambda i: measured[i]["step_peak_tensor_bytes"]),
+    ]
+    lines.append(f"{'':40s}" + "".join(f"{impl:>14s}" for impl in impls) + f"{'/ budget':>14s}")
+    for title, value in rows:
+        cells = "".join(f"{_mb(value(i)):>14s}" for i in impls)
+        fractions = " ".join(f"{value(i) / budget:.2f}" for i in impls)
+        lines.append(f"{title:40s}{cells}{fractions:>14s}")
+    if len(impls) == 2:
+        ours, ddp = (measured[i]["state_bytes"]["total"] for i in impls)
+        verdict = "fits" if ours <= budget else "does NOT fit"
+        lines.append(
+            f"ours/ddp params+grads+optim {ours / ddp:.2f}; ours {verdict} the budget, ddp needs {ddp / budget:.2f}x it"
+        )
+        curves = [measured[i]["loss_curve"] for i in impls]
+        rtol = LOSS_RTOL[payload["args"]["precision"]]
+        if any(abs(a - b) > rtol * abs(b) for a, b in zip(*curves, strict=True)):
+            lines.append(f"WARNING: losses disagree beyond rtol {rtol:g}: ours {curves[0]} vs ddp {curves[1]}")
+        else:
+            lines.append(f"losses agree: {' '.join(f'{x:.5f}' for x in curves[0])}")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------- plotting
+
+_COLORS = {"ours": "tab:blue", "fsdp2": "tab:orange", "ddp": "tab:green"}
+
+
+def _label(impl: str, args: dict[str, Any]) -> str:
+    if impl == "ours":
+        return "ours" if args["sharding_strategy"] == "FULL_SHARD" else f"ours ({args['sharding_strategy']})"
+    return impl
+
+
+def _plot_step_time(ax: Any, comparison: dict[str, Any]) -> None:
+    """Median step time per implementation, whiskers from the fastest to the slowest timed step."""
+    ok = {impl: s for impl, s in comparison["summaries"].items() if s["ok"]}
+    names = list(ok)
+    medians = [ok[i]["step_time_median_s"] * 1e3 for i in names]
+    low = [m - ok[i]["step_time_min_s"] * 1e3 for m, i in zip(medians, names, strict=True)]
+    high = [ok[i]["step_time_max_s"] * 1e3 - m for m, i in zip(medians, names, strict=True)]
+    x = range(len(names))
+    ax.bar(x, medians, color=[_COLORS[i] for i in names], yerr=[low, high], capsize=6, alpha=0.85)
+    # Every timed step as a dot: on a shared machine the spread (bimodal, at times) says more than the bar.
+    for xi, impl in zip(x, names, strict=True):
+        steps = [
+            max(ranks) * 1e3
+            for round_ in comparison["raw"][impl]
+            if isinstance(round_, list)
+            for ranks in zip(*(r["step_times_s"] for r in round_), strict=True)
+        ]
+        offsets = [0.25 * (k / max(1, len(steps) - 1) - 0.5) for k in range(len(steps))]
+        ax.plot([xi + o for o in offsets], steps, ".", color="black", markersize=4)
+    for xi, median in zip(x, medians, strict=True):
+        ax.annotate(f"{median:.0f}", (xi - 0.38, median), xytext=(0, 3), textcoords="offset points", fontsize=8)
+    ax.set_xticks(list(x), [_label(i, comparison["args"]) for i in names])
+    ax.set_ylabel("ms per step (slowest rank; dots: each timed step)")
+    a = comparison["args"]
+    ax.set_title(
+        f"step time: median, min-max\nW={a['world_size']}, {a['threads']} thread/rank, {a['precision']}", fontsize=10
+    )
+
+
+def _plot_state_bytes(ax: Any, comparison: dict[str, Any]) -> None:
+    """Per-rank parameters, gradients and optimizer state, stacked."""
+    ok = {impl: s for impl, s in comparison["summaries"].items() if s["ok"]}
+    names = list(ok)
+    x = list(range(len(names)))
+    bottom = [0.0] * len(names)
+    for part, alpha, hatch in (("params", 1.0, ""), ("grads", 0.65, "//"), ("optim", 0.35, "..")):
+        heights = [ok[i]["state_bytes"][part] / 2**20 for i in names]
+        ax.bar(
+            x,
+            heights,
+            bottom=bottom,
+            color=[_COLORS[i] for i in names],
+            alpha=alpha,
+            hatch=hatch,
+            edgecolor="black",
+            linewidth=0.5,
+            label={"optim": "optimizer state"}.get(part, part),
+        )
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    for xi, total in zip(x, bottom, strict=True):
+        ax.annotate(f"{total:.0f}", (xi, total), xytext=(-8, 3), textcoords="offset points", fontsize=8)
+    ax.set_xticks(x, [_label(i, comparison["args"]) for i in names])
+    ax.set_ylabel("MiB per rank")
+    num_params = next(iter(ok.values()))["num_params"]
+    ax.set_title(f"params + grads + optimizer state\n{num_params / 1e6:.1f}M params, AdamW", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def _plot_memory_vs_size(ax: Any, comparison: dict[str, Any] | None, largest: dict[str, Any] | None) -> None:
+    """The estimator's per-rank bytes against model size, with every measured point of the runs on it."""
+    source = comparison or largest
+    assert source is not None
+    args = BenchArgs(**{**source["args"], "impls": tuple(source["args"]["impls"])})
+    family = model_family(args)
+    world_size = args.world_size
+    points = [ok["num_params"] for ok in (comparison or {}).get("summaries", {}).values() if ok["ok"]]
+    if largest is not None:
+        points += [largest["measured_params"], largest["at_budget"]["full_shard_params"]]
+    x_max = 1.25 * max(points)
+    xs = [x_max * k / 50 for k in range(1, 51)]
+    for strategy, color, label in (("DDP", _COLORS["ddp"], "DDP"), ("FULL_SHARD", _COLORS["ours"], "FULL_SHARD")):
+        estimates = [family.estimate(int(n), world_size, strategy) for n in xs]
+        ax.plot(
+            [n / 1e6 for n in xs], [e.peak / 2**20 for e in estimates], color=color, label=f"estimator peak, {label}"
+        )
+        if strategy == "FULL_SHARD":
+            ax.plot(
+                [n / 1e6 for n in xs],
+                [e.steady / 2**20 for e in estimates],
+                color=color,
+                linestyle="--",
+                linewidth=1,
+                label="estimator params+grads+optim, FULL_SHARD",
+            )
+    markers = {"ours": "o", "fsdp2": "x", "ddp": "s"}
+    for impl, s in (comparison or {}).get("summaries", {}).items():
+        if s["ok"]:
+            ax.plot(
+                s["num_params"] / 1e6,
+                s["state_bytes"]["total"] / 2**20,
+                markers[impl],
+                color=_COLORS[impl],
+                markersize=7,
+                label=f"measured params+grads+optim, {_label(impl, source['args'])}",
+            )
+    if largest is not None:
+        budget = largest["budget_bytes"] / 2**20
+        at = largest["at_budget"]
+        ax.axhline(budget, color="gray", linestyle=":", linewidth=1)
+        ax.annotate(f"budget {budget:.0f} MiB", (0, budget), xytext=(3, 3), textcoords="offset points", fontsize=7)
+        for impl in ("ours", "ddp"):
+            m = largest["measured"][impl]
+            if "failed" not in m:
+                ax.plot(
+                    m["num_params"] / 1e6,
+                    m["state_bytes"]["total"] / 2**20,
+                    markers[impl],
+                    color=_COLORS[impl],
+                    markerfacecolor="none",
+                    markersize=9,
+                    label=f"measured params+grads+optim, {impl}, --largest",
+                )
+        for n, color in ((at["ddp_params"], _COLORS["ddp"]), (at["full_shard_params"], _COLORS["ours"])):
+            ax.axvline(n / 1e6, color=color, linestyle=":", linewidth=1)
+        ax.annotate(
+            f"{at['ratio']:.2f}x DDP's largest",
+            (at["full_shard_params"] / 1e6, budget),
+            xytext=(-4, 5),
+            textcoords="offset points",
+            ha="right",
+            fontsize=8,
+            color=_COLORS["ours"],
+        )
+    ax.set_xlim(0, x_max / 1e6)
+    ax.set_ylim(0, None)
+    ax.set_xlabel(f"parameters (M), n_embd={args.n_embd}, depth varied")
+    ax.set_ylabel("MiB per rank")
+    ax.set_title(f"memory against model size, W={world_size}\n(activations not included)", fontsize=10)
+    ax.legend(fontsize=6, loc="upper left")
+
+
+def plot_results(payloads: list[dict[str, Any]], path: str) -> None:
+    """Draw a comparison payload and/or a --largest payload into one PNG (matplotlib, Agg: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    comparison = next((p for p in payloads if p.get("kind") == "comparison"), None)
+    largest = next((p for p in payloads if p.get("kind") == "largest"), None)
+    if comparison is None and largest is None:
+        raise SystemExit("nothing to plot: give a --json file of a comparison or of a --largest run")
+    panels = 3 if comparison is not None else 1
+    fig, axes = plt.subplots(1, panels, figsize=(4.8 * panels, 4.4), dpi=90, layout="constrained", squeeze=False)
+    if comparison is not None:
+        _plot_step_time(axes[0][0], comparison)
+        _plot_state_bytes(axes[0][1], comparison)
+    _plot_memory_vs_size(axes[0][-1], comparison, largest)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
+
+
+# --------------------------------------------------------------------------------------------------- main
+
+
+def run_comparison(args: BenchArgs) -> dict[str, Any] | None:
+    """The three implementations, interleaved; the payload (None on a torchrun rank other than 0)."""
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     if under_torchrun:
-        args = BenchArgs(**{**asdict(args), "world_size": int(os.environ["WORLD_SIZE"])})
+        args = replace(args, world_size=int(os.environ["WORLD_SIZE"]))
+    source = source_state()
     impls, skipped = available_impls(args)
     is_rank0 = not under_torchrun or os.environ.get("RANK", "0") == "0"
     if is_rank0:
@@ -708,27 +1167,48 @@ def main(argv: list[str] | None = None) -> None:
             print(f"WARNING: skipping {impl}: {why}", flush=True)
     if not impls:
         raise SystemExit("no implementation to run")
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     results = run_all_torchrun(args, impls) if under_torchrun else run_all_spawned(args, impls)
     if results is None:  # a torchrun rank other than 0
-        return
+        return None
     summaries = {impl: summarize(impl, rounds, args) for impl, rounds in results.items()}
-    lines = report(summaries, args, rss_isolated=not under_torchrun)
-    print("\n".join(lines), flush=True)
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "args": asdict(args),
-            "torch": torch.__version__,
-            "skipped": skipped,
-            "rss_isolated": not under_torchrun,
-            "summaries": summaries,
-            "report": lines,
-            "raw": results,
-        }
-        path.write_text(json.dumps(payload, indent=1))
-        print(f"wrote {path}")
+    return {
+        "kind": "comparison",
+        "args": asdict(args),
+        "torch": torch.__version__,
+        "source": source,
+        "skipped": skipped,
+        "rss_isolated": not under_torchrun,
+        "summaries": summaries,
+        "report": [source_line(source), *report(summaries, args, rss_isolated=not under_torchrun)],
+        "raw": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.from_json:
+        payloads = [json.loads(Path(path).read_text()) for path in args.from_json]
+    else:
+        os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+        if args.largest:
+            if "TORCHELASTIC_RUN_ID" in os.environ:
+                raise SystemExit("--largest spawns its own ranks; run it without torchrun")
+            payload = run_largest(args)
+        else:
+            payload = run_comparison(args)
+        if payload is None:
+            return
+        payloads = [payload]
+        if args.json:
+            path = Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(payload, indent=1))
+    for payload in payloads:
+        print("\n".join(payload["report"]), flush=True)
+    if args.json and not args.from_json:
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_results(payloads, args.plot)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,7 @@ class RootContext:
         while self.pending:
             self.pending.popleft().finish()
         self.reshard_all()
+        self.pool.clear()  # between steps a rank holds its shards only
         self.order_frozen = True
         self.callback_queued = False
 

@@ -17,7 +17,6 @@ The Trainer calls a strategy in a fixed order; this one fills the steps in as fo
 from __future__ import annotations
 
 import importlib
-import shutil
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
@@ -43,8 +42,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fsdp.checkpoint.atomic import write_file_atomically
-from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_optimizer_state
+from lightning_fsdp.checkpoint.atomic import remove, write_file_atomically
+from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_optimizer_state, save_full_checkpoint
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded
 from lightning_fsdp.engine import MixedPrecision, apply_activation_checkpointing, fully_shard, no_sync
 from lightning_fsdp.engine.registry import unit_of
@@ -447,14 +446,22 @@ class FSDPStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Write atomically: one file from rank 0, or one folder (DCP shards from every rank plus ``meta.pt``)."""
+        """Write atomically: one file from rank 0, or one folder (DCP shards from every rank plus ``meta.pt``).
+
+        The full file streams straight to disk, bypassing Lightning's ``TorchCheckpointIO``, which would first
+        serialize the whole checkpoint into memory (a second copy on rank 0); any other ``checkpoint_io`` is used.
+        """
         if self.state_dict_type == "sharded":
             state = {"model": checkpoint.pop("state_dict")}
             for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
                 state[f"optimizer_{index}"] = optimizer_state
             save_sharded(filepath, state, checkpoint)
             return
-        if self.is_global_zero:
+        if not self.is_global_zero:
+            return
+        if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None:
+            save_full_checkpoint(filepath, checkpoint)
+        else:
             write_file_atomically(
                 filepath, lambda tmp: self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options)
             )
@@ -462,8 +469,7 @@ class FSDPStrategy(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:
-            path = Path(filepath)
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            remove(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

@@ -14,10 +14,10 @@ from pathlib import Path
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
-def run_script(name: str, out: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run tests/scripts/<name> with OUT as its output folder; one thread per process (2 share this machine)."""
+def run_script(name: str, out: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run tests/scripts/<name> OUT [ARGS...]; one thread per process (2 share this machine)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(SCRIPTS / name), str(out)]
+    command = [sys.executable, str(SCRIPTS / name), str(out), *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     assert result.returncode == 0, f"{name} failed:\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}"
     return result

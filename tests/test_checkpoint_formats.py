@@ -3,7 +3,9 @@ checks that refuse torn or foreign checkpoints, and offline conversion between t
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_fsdp import fully_shard
+from lightning_fsdp.checkpoint import atomic
 from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_optimizer_state
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded, sharded_checkpoint_state
@@ -126,3 +129,49 @@ def test_convert_between_forms_offline(tmp_path: Path) -> None:
         assert weights.keys() == {n.removeprefix("blocks.") for n in full["state_dict"]}
     with pytest.raises(ValueError, match="already a sharded checkpoint"):
         convert(tmp_path / "sharded", tmp_path / "again", "sharded")
+
+
+def _load_full_then_sharded(rank: int, world_size: int, folder: str) -> None:
+    model, optimizer = _fresh()
+    full = torch.load(Path(folder) / "full.ckpt", mmap=True, weights_only=False)
+    load_full_state_dict(model, full["state_dict"])
+    load_full_optimizer_state(model, optimizer, full["optimizer_states"][0])
+    # The checkpoint's param_names are its record for convert, not names for the live optimizer's groups: with
+    # them, torch's add_param_group refuses every group without names.
+    assert all("param_names" not in group for group in optimizer.param_groups)
+    load_sharded(Path(folder) / "sharded", model, [optimizer])
+    # An optimizer built from named_parameters has param_names in its groups; the checkpoint has none recorded.
+    named = torch.optim.AdamW(model.named_parameters(), lr=1e-2)
+    load_sharded(Path(folder) / "sharded", model, [named])
+    assert named.param_groups[0]["param_names"] == [name for name, _ in model.named_parameters()]
+    assert int(named.state[next(model.parameters())]["step"]) == 2
+
+
+def test_one_optimizer_loads_a_full_then_a_sharded_checkpoint(tmp_path: Path) -> None:
+    run_distributed(_save, 2, str(tmp_path))
+    run_distributed(_load_full_then_sharded, 2, str(tmp_path))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the one-step exchange of two names is Linux's renameat2")
+def test_replacing_or_removing_a_folder_never_leaves_a_torn_one_under_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records what sits under the checkpoint's name after every step that changes names or deletes: what a crash
+    right then would leave. ``last.ckpt`` is replaced at every save, so this is the common case."""
+    final, new = tmp_path / "last.ckpt", tmp_path / ".partial-new.tmp"
+    for folder, content in ((final, "old"), (new, "new")):
+        folder.mkdir()
+        (folder / content).write_text(content)
+    seen: list[list[str] | None] = []
+
+    def record() -> None:
+        seen.append(sorted(p.name for p in final.iterdir()) if final.exists() else None)
+
+    real_replace, real_rmtree = os.replace, shutil.rmtree
+    monkeypatch.setattr(atomic.os, "replace", lambda *args: (real_replace(*args), record()))
+    monkeypatch.setattr(atomic.shutil, "rmtree", lambda *args, **kwargs: (record(), real_rmtree(*args, **kwargs)))
+    atomic.publish(new, final)
+    assert seen == [["new"]] and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    seen.clear()
+    atomic.remove(final)
+    assert seen == [None, None] and not list(tmp_path.iterdir())  # gone from its name before any file is deleted

@@ -5,14 +5,21 @@ file system and is atomic), made durable with ``fsync``, and then renamed into p
 the previous checkpoint under the final name untouched and, at worst, a ``.partial-*`` sibling behind, which the
 next save into the same folder removes. The temporary names contain neither the checkpoint's name nor ``.ckpt``,
 so nothing that lists checkpoints (``ModelCheckpoint`` resolving ``"last"``, say) ever sees a partial one.
-Replacing an existing folder takes two renames (old one aside, new one in); the old one is deleted only after the
-new one is in place.
+
+A file replaces a file in one ``rename``. A folder cannot replace a non-empty folder that way, so on Linux the two
+swap names in one atomic step (``renameat2`` with ``RENAME_EXCHANGE``) and the old one, now under the temporary
+name, is deleted. Elsewhere it takes two renames (old one aside, new one in): a crash between them leaves nothing
+under the final name, with the old checkpoint complete in a ``.partial-old-*`` sibling until the next save.
+Removal renames a folder aside before deleting it, so a crash mid-delete leaves no torn folder under its name.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,13 +60,46 @@ def publish(tmp: Path, final: Path) -> None:
     """Move a complete ``tmp`` (file or folder) to ``final``, replacing what was there, atomically."""
     _fsync_tree(tmp)
     if final.is_dir() and not final.is_symlink():
-        aside = _sibling(final, "old-" + uuid.uuid4().hex)
-        os.replace(final, aside)
-        os.replace(tmp, final)
-        shutil.rmtree(aside, ignore_errors=True)
+        if _exchange(tmp, final):  # now ``final`` is the new folder and ``tmp`` the old one
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            aside = _sibling(final, "old-" + uuid.uuid4().hex)
+            os.replace(final, aside)
+            os.replace(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
     else:
         os.replace(tmp, final)
     _fsync_dir(final.parent)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names of ``a`` and ``b`` in one atomic step; False where the system or file system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc 2.28+
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+def remove(path: str | os.PathLike) -> None:
+    """Delete a checkpoint file or folder (a link: only the link); a folder leaves its name in one step first."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        aside = _sibling(path, "removed-" + uuid.uuid4().hex)
+        os.replace(path, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def write_file_atomically(final: str | os.PathLike, write: Callable[[Path], None]) -> None:

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from lightning_fsdp.checkpoint.atomic import atomic_directory, write_file_atomically
+from lightning_fsdp.checkpoint.full import save_full_checkpoint
 from lightning_fsdp.checkpoint.safetensors_stream import write_safetensors
 from lightning_fsdp.checkpoint.sharded import META_FILE, is_sharded_checkpoint, read_checked_metadata
 
@@ -44,7 +45,7 @@ def convert(
         checkpoint = (
             _read_sharded(src) if sharded else torch.load(src, map_location="cpu", mmap=True, weights_only=False)
         )
-        write_file_atomically(dst, lambda tmp: torch.save(checkpoint, tmp))
+        save_full_checkpoint(dst, checkpoint)
     else:
         if sharded:
             raise ValueError(f"{src} is already a sharded checkpoint; copy the folder, or convert it --to full.")

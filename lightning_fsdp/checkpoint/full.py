@@ -2,21 +2,35 @@
 
 Optimizer state is positional (parameter ``i`` of the groups, in order), like every optimizer's own state dict,
 so a ddp or single-device run loads it as its own; each group also records ``param_names``, which ``convert``
-needs and ``Optimizer.load_state_dict`` ignores. Gathering goes one state tensor at a time, so rank 0 holds the
-full state plus one tensor; loading slices each full tensor down to this rank's rows.
+needs and ``Optimizer.load_state_dict`` accepts (it matches by position and keeps them as the groups' names).
+Gathering goes one state tensor at a time, so rank 0 holds the full state plus one tensor; loading slices each
+full tensor down to this rank's rows.
+
+The file is written by ``torch.save`` straight into a temporary sibling (see ``atomic.py``): Lightning's
+``TorchCheckpointIO`` makes its save atomic by serializing the whole checkpoint into memory first, which doubles
+rank 0's peak (measured in benchmarks/bench_checkpoint.py).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_fsdp.checkpoint.atomic import write_file_atomically
+from lightning_fsdp.engine.param import FSDPParam
 from lightning_fsdp.engine.registry import fsdp_param_of
 from lightning_fsdp.engine.state_dict import init_optimizer_state, parameter_names, sharded_optimizer_state_dict
+
+
+def save_full_checkpoint(path: str | os.PathLike, checkpoint: dict[str, Any]) -> None:
+    """Write ``checkpoint`` to ``path`` atomically, streaming it to disk: no second copy in memory (one process)."""
+    write_file_atomically(path, lambda tmp: torch.save(checkpoint, tmp))
 
 
 def full_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
@@ -61,7 +75,9 @@ def _full_value(value: Any, param: Tensor) -> Any:
 
 
 def load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, saved: dict[str, Any]) -> None:
-    """Load a full (positional) optimizer state dict: every rank keeps its rows of each per-row tensor."""
+    """Load a full (positional) optimizer state dict: every rank copies its rows of each per-row tensor into the
+    optimizer's own state tensors, so the load allocates no second copy of the state. Every shape is checked
+    before anything is overwritten."""
     current = [len(group["params"]) for group in optimizer.param_groups]
     found = [len(group["params"]) for group in saved["param_groups"]]
     if current != found:
@@ -71,25 +87,45 @@ def load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, saved: di
         )
     init_optimizer_state(optimizer)  # its own state tells per-row tensors from the rest, by shape
     params = [param for group in optimizer.param_groups for param in group["params"]]
-    state = {}
-    for index, param_state in saved["state"].items():
-        param = params[int(index)]
-        template = optimizer.state.get(param, {})
-        state[index] = {key: local_rows(value, param, template.get(key)) for key, value in param_state.items()}
-    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+    entries = [
+        (index, key, value, params[int(index)], optimizer.state.get(params[int(index)], {}).get(key))
+        for index, param_state in saved["state"].items()
+        for key, value in param_state.items()
+    ]
+    for _, _, value, param, template in entries:
+        _per_row(value, param, template)  # raises on a shape mismatch
+    state: dict[Any, dict[str, Any]] = {}
+    for index, key, value, param, template in entries:
+        state.setdefault(index, {})[key] = local_rows(value, param, template)
+    # ``param_names`` are the checkpoint's record for ``convert``. Torch would make them the live groups' names,
+    # after which ``add_param_group`` refuses any group without names; an optimizer built with names keeps them.
+    groups = [
+        {key: value for key, value in saved_group.items() if key != "param_names" or "param_names" in group}
+        for saved_group, group in zip(saved["param_groups"], optimizer.param_groups, strict=True)
+    ]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def local_rows(value: Any, param: Tensor, template: Any) -> Any:
-    """This rank's rows of a full per-row tensor; ``template`` is the optimizer's own value for the same key."""
+    """This rank's rows of a full per-row tensor, copied into ``template`` (the optimizer's own tensor for the same
+    key); any other value as it is."""
+    fsdp_param = _per_row(value, param, template)
+    if fsdp_param is None:
+        return value
+    layout = fsdp_param.layout
+    rows = value.reshape(layout.rows, layout.row_numel)[layout.start : layout.start + layout.local_rows]
+    return template.copy_(rows.reshape(template.shape))
+
+
+def _per_row(value: Any, param: Tensor, template: Any) -> FSDPParam | None:
+    """``param``'s ``FSDPParam`` if ``value`` is a full per-row tensor to slice (its shape checked), else None."""
     fsdp_param = fsdp_param_of(param)
     per_row = isinstance(template, Tensor) and template.dim() > 0 and template.shape == param.shape
     if fsdp_param is None or not per_row or not isinstance(value, Tensor):
-        return value
+        return None
     if tuple(value.shape) != tuple(fsdp_param.shape):
         raise ValueError(
             f"the checkpoint's optimizer state for '{fsdp_param.fqn}' has shape {tuple(value.shape)} but the "
             f"parameter has shape {tuple(fsdp_param.shape)}; load a checkpoint of the same model."
         )
-    layout = fsdp_param.layout
-    rows = value.reshape(layout.rows, layout.row_numel)[layout.start : layout.start + layout.local_rows]
-    return rows.reshape(param.shape).clone()
+    return fsdp_param

@@ -51,4 +51,5 @@ def write_safetensors(
         handle.write(encoded)
         for name in progress([name for name, _, _ in specs]):
             tensor = load(name).detach().to("cpu").contiguous()
-            handle.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+            if tensor.numel():
+                handle.write(tensor.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes, not a copy

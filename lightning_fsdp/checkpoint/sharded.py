@@ -75,7 +75,9 @@ def load_sharded(
         target["model"] = {k: v for k, v in target["model"].items() if f"model.{k}" in metadata.state_dict_metadata}
     for index, optimizer in enumerate(optimizers):
         init_optimizer_state(optimizer)
-        target[f"optimizer_{index}"] = sharded_optimizer_state_dict(module, optimizer)
+        target[f"optimizer_{index}"] = _recorded_hyperparameters_only(
+            sharded_optimizer_state_dict(module, optimizer), metadata, index
+        )
         _check_optimizer_names(metadata, index, module)
     dcp.load(target, checkpoint_id=path)
     for index, optimizer in enumerate(optimizers):
@@ -135,6 +137,20 @@ def check_model_keys(metadata: Metadata, module: nn.Module, strict: bool) -> Non
             "the checkpoint does not match this model: " + "; ".join(problems[:6]) + ". Load a checkpoint of the "
             "same model architecture."
         )
+
+
+def _recorded_hyperparameters_only(state: dict[str, Any], metadata: Metadata, index: int) -> dict[str, Any]:
+    """``state`` without the group entries the checkpoint does not record, which then keep the optimizer's values.
+
+    DCP refuses a load whose target has a key the checkpoint lacks, and a group can gain entries the saving run did
+    not have: ``param_names`` (an optimizer built from ``named_parameters``) or a default a newer torch added.
+    """
+    for number, group in enumerate(state["param_groups"]):
+        prefix = f"optimizer_{index}.param_groups.{number}."
+        recorded = {key[len(prefix) :].split(".")[0] for key in metadata.state_dict_metadata if key.startswith(prefix)}
+        for key in [key for key in group if key != "params" and key not in recorded]:
+            del group[key]
+    return state
 
 
 def _check_optimizer_names(metadata: Metadata, index: int, module: nn.Module) -> None:

@@ -13,9 +13,10 @@ run's result to OUT_DIR/<run>.pt: ``start`` (model, optimizer, scheduler and loo
   step 4; a new Trainer resumes with ``ckpt_path="last"``.
 - ``full_ddp``: ``strategy="ddp"`` resumes the step-4 ``.ckpt`` that ``myfsdp`` wrote.
 - ``ddp_first`` / ``ddp_to_myfsdp``: ddp writes the step-4 ``.ckpt``; ``myfsdp`` resumes it.
-- ``sharded_first`` / ``sharded_resumed``: the same with ``state_dict_type="sharded"`` (folders), resumed with
-  ``ckpt_path="last"``; a second ``ModelCheckpoint`` keeps the top 2 of 4 folders by ``train_loss``, and rank 0
-  writes its folder listing and ``best_k_models`` to OUT_DIR/topk.json.
+- ``sharded_first`` / ``sharded_resumed``: the same with ``state_dict_type="sharded"`` (folders), ``last.ckpt`` a
+  link to the newest folder (``save_last="link"``), resumed with ``ckpt_path="last"``. A second ``ModelCheckpoint``
+  saves a folder every step and keeps the top 2 by ``step``, so it must remove steps 1 and 2; rank 0 writes its
+  folder listing and ``best_k_models`` to OUT_DIR/topk.json.
 - ``full_single``: one device (no process group in use) resumes the step-4 ``.ckpt``; rank 0 alone runs it.
 
 ``resume DEVICES MAIN_OUT [KILLED_OUT ...]`` (DEVICES processes):
@@ -30,9 +31,10 @@ Usage: python tests/scripts/checkpoint_resume.py OUT_DIR main
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -70,7 +72,9 @@ class Scheduled(LitGPT):
 def loader(devices: int | None) -> DataLoader:
     """``devices`` ranks under a distributed strategy (Lightning adds the sampler), or None for one device, which
     gets the same sampler itself so that it sees the same shuffled order."""
-    tokens = torch.randint(0, TINY.vocab_size, (SAMPLES, TINY.block_size + 1), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0, TINY.vocab_size, (SAMPLES, TINY.block_size + 1), generator=torch.Generator().manual_seed(1)
+    )
     if devices is None:
         sampler = DistributedSampler(tokens, num_replicas=1, rank=0, shuffle=True, seed=0)
         return DataLoader(tokens, batch_size=GLOBAL_BATCH, sampler=sampler)
@@ -95,10 +99,11 @@ class RecordStart(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         (optimizer,) = trainer.optimizers
         fsdp = isinstance(trainer.strategy, FSDPStrategy)
+        # Copies: state_dict()s hold the live tensors, which training goes on to change.
         self.state = {
             "weights": weights(trainer),
-            "optimizer": full_optimizer_state(pl_module, optimizer) if fsdp else optimizer.state_dict(),
-            "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+            "optimizer": full_optimizer_state(pl_module, optimizer) if fsdp else copy.deepcopy(optimizer.state_dict()),
+            "scheduler": copy.deepcopy(trainer.lr_scheduler_configs[0].scheduler.state_dict()),
             "global_step": trainer.global_step,
             "epoch": trainer.current_epoch,
         }
@@ -108,8 +113,8 @@ def myfsdp(state_dict_type: str = "full") -> FSDPStrategy:
     return FSDPStrategy(auto_wrap_policy={Block}, state_dict_type=state_dict_type)
 
 
-def every_2_steps(folder: Path) -> ModelCheckpoint:
-    return ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1, save_last=True)
+def every_n_steps(folder: Path, steps: int = 2, save_last: bool | Literal["link"] = True) -> ModelCheckpoint:
+    return ModelCheckpoint(dirpath=folder, every_n_train_steps=steps, save_top_k=-1, save_last=save_last)
 
 
 def fit(
@@ -138,22 +143,24 @@ def main_runs() -> None:
     out = out_dir()
     fit("straight", myfsdp())
 
-    fit("full_first", myfsdp(), max_steps=4, callbacks=[every_2_steps(out / "full")])
-    fit("full_resumed", myfsdp(), ckpt_path="last", callbacks=[every_2_steps(out / "full")])
+    fit("full_first", myfsdp(), max_steps=4, callbacks=[every_n_steps(out / "full")])
+    fit("full_resumed", myfsdp(), ckpt_path="last", callbacks=[every_n_steps(out / "full")])
     fit("full_ddp", "ddp", ckpt_path=out / "full" / STEP4)
 
     ddp_save = ModelCheckpoint(dirpath=out / "ddp", every_n_train_steps=4)
     fit("ddp_first", "ddp", max_steps=4, callbacks=[ddp_save])
     fit("ddp_to_myfsdp", myfsdp(), ckpt_path=out / "ddp" / STEP4)
 
-    top_k = ModelCheckpoint(dirpath=out / "topk", monitor="train_loss", save_top_k=2, every_n_train_steps=1)
-    trainer = fit("sharded_first", myfsdp("sharded"), max_steps=4, callbacks=[every_2_steps(out / "sharded"), top_k])
+    top_k = ModelCheckpoint(dirpath=out / "topk", monitor="step", mode="max", save_top_k=2, every_n_train_steps=1)
+    every_2 = every_n_steps(out / "sharded", save_last="link")
+    trainer = fit("sharded_first", myfsdp("sharded"), max_steps=4, callbacks=[every_2, top_k])
     write_json(
         trainer,
         "topk.json",
         {"listing": sorted(p.name for p in (out / "topk").iterdir()), "best_k": sorted(top_k.best_k_models)},
     )
-    fit("sharded_resumed", myfsdp("sharded"), ckpt_path="last", callbacks=[every_2_steps(out / "sharded")])
+    every_2 = every_n_steps(out / "sharded", save_last="link")
+    fit("sharded_resumed", myfsdp("sharded"), ckpt_path="last", callbacks=[every_2])
 
     if dist.get_rank() == 0:  # one device needs one process; rank 1 has nothing left to do
         fit("full_single", "auto", ckpt_path=out / "full" / STEP4, devices=1)
@@ -163,7 +170,7 @@ def resume_runs(devices: int, main_out: Path, killed: list[Path]) -> None:
     fit("from_w2", myfsdp("sharded"), ckpt_path=main_out / "sharded" / STEP4, devices=devices)
     for index, folder in enumerate(killed):
         state_dict_type = "sharded" if (folder / "ckpts" / "last.ckpt").is_dir() else "full"
-        callbacks = [every_2_steps(folder / "ckpts")]
+        callbacks = [every_n_steps(folder / "ckpts", steps=4)]
         fit(f"killed_{index}", myfsdp(state_dict_type), ckpt_path="last", callbacks=callbacks, devices=devices)
 
 

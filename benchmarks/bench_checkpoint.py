@@ -67,6 +67,7 @@ from lightning_fsdp.checkpoint.full import (  # noqa: E402
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded, sharded_checkpoint_state  # noqa: E402
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig  # noqa: E402
 from lightning_fsdp.engine.state_dict import full_state_dict, init_optimizer_state, load_full_state_dict  # noqa: E402
+from lightning_fsdp.process_exit import exit_now  # noqa: E402
 
 MB = 1e6
 
@@ -194,8 +195,7 @@ def _rank(rank: int, args: Args, port: int) -> None:
         (folder / "ranks.json").write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # see [Note: gloo exit race] in tests/distributed.py
+    exit_now()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
 
 
 def _free_port() -> int:

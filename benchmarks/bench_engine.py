@@ -84,6 +84,7 @@ from lightning_fsdp.demos.corpus import VOCAB_SIZE, load_corpus, random_batches 
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig  # noqa: E402
 from lightning_fsdp.engine.comm_stats import CollectiveCounter  # noqa: E402
 from lightning_fsdp.estimate import MemoryEstimate, estimate_memory, largest_trainable  # noqa: E402
+from lightning_fsdp.process_exit import exit_now  # noqa: E402
 
 IMPLS = ("ours", "fsdp2", "ddp")
 
@@ -516,13 +517,7 @@ def _spawned_rank(rank: int, impl: str, args: BenchArgs, port: int, out: str) ->
             Path(out).write_text(json.dumps(gathered))
     finally:
         dist.destroy_process_group()
-    # Seen a few times in some 40 spawned runs on this machine (fsdp2 and ddp, in runs using the profiler):
-    # "terminate called without an active exception" / a malloc abort while the process exits, with no
-    # Python frame left, i.e. a native thread torn down during interpreter shutdown. The results are
-    # written by then; leaving without the shutdown keeps that crash from voiding a finished round.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
 
 
 def _free_port() -> int:

@@ -58,6 +58,7 @@ from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.demos.datamodule import CharDataModule  # noqa: E402
 from lightning_fsdp.demos.gpt import Block  # noqa: E402
 from lightning_fsdp.demos.lit_gpt import LitGPT  # noqa: E402
+from lightning_fsdp.process_exit import exit_now  # noqa: E402
 
 IMPLS = ("ddp", "myfsdp")
 
@@ -248,11 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.impl is not None:
         run_one(args)
-        # A gloo worker thread may still be releasing its last collective's tensors while the interpreter shuts
-        # down, which aborts a finished run (see [Note: gloo exit race] in tests/distributed.py): leave now.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_now()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
     source = source_state()
     records: dict[str, list[dict[str, Any]]] = {impl: [] for impl in IMPLS}
     failures: list[str] = []

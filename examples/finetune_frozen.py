@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 from lightning.pytorch import Trainer, seed_everything
@@ -25,6 +24,7 @@ from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.datamodule import CharDataModule
 from lightning_fsdp.demos.gpt import Block
 from lightning_fsdp.demos.lit_gpt import LitGPT
+from lightning_fsdp.process_exit import exit_after_distributed_run
 
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block_size", "bias")
 
@@ -85,9 +85,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    # Leave without the interpreter's shutdown after a distributed run: see [Note: gloo exit race] in
-    # tests/distributed.py and the same lines at the end of examples/trainer_api.py.
-    if torch.distributed.is_initialized():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -25,6 +24,7 @@ from torch import nn
 from lightning_fsdp import clip_grad_norm_, fully_shard
 from lightning_fsdp.demos.corpus import VOCAB_SIZE, load_corpus, random_batches
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
+from lightning_fsdp.process_exit import exit_now
 
 N_HEAD = 4
 BLOCK_SIZE = 64
@@ -143,9 +143,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    # A gloo worker thread may still be releasing its last collective's tensors while the interpreter shuts
-    # down, which aborts a finished run with SIGABRT ("terminate called without an active exception"; see
-    # [Note: gloo exit race] in tests/distributed.py). Everything is done and printed: leave without the shutdown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py

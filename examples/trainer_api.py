@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -23,6 +21,7 @@ from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.datamodule import CharDataModule
 from lightning_fsdp.demos.gpt import Block
 from lightning_fsdp.demos.lit_gpt import LitGPT
+from lightning_fsdp.process_exit import exit_after_distributed_run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,10 +74,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    # A gloo worker thread may still be releasing its last collective's tensors while the interpreter shuts
-    # down, which aborts a finished run with SIGABRT (see [Note: gloo exit race] in tests/distributed.py).
-    # Everything is done and printed: leave without the shutdown.
-    if torch.distributed.is_initialized():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py

@@ -15,17 +15,16 @@ runs ``lightning_fsdp/__init__.py`` first, which registers them, before any Trai
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from lightning_fsdp.checkpoint.convert import FORMATS, convert
 from lightning_fsdp.estimate import main as estimate_main
+from lightning_fsdp.process_exit import exit_after_distributed_run
 
 __all__ = ["LightningFSDPCLI", "convert_main", "main", "report_artifacts"]
 
@@ -79,8 +78,8 @@ def main(args: list[str] | None = None) -> None:
 
     After a successful run that joined a process group, the process ends with ``os._exit(0)``: a gloo worker
     thread may still be releasing its last collective's tensors while the interpreter shuts down, which aborts
-    a finished run with SIGABRT ("terminate called without an active exception"; see [Note: gloo exit race] in
-    tests/distributed.py). Everything is written and printed by then. A failure raises as usual.
+    a finished run with SIGABRT (see [Note: gloo exit race] in lightning_fsdp/process_exit.py). Everything is
+    written and printed by then. A failure raises as usual.
     """
     argv = sys.argv[1:] if args is None else args
     if argv and argv[0] == "convert":
@@ -98,10 +97,7 @@ def main(args: list[str] | None = None) -> None:
         save_config_kwargs={"overwrite": True},
         args=args,
     )
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    exit_after_distributed_run()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import os
 import pickle
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -23,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
+
+from lightning_fsdp.process_exit import exit_now
 
 __all__ = ["run_distributed"]
 
@@ -79,22 +80,7 @@ def _run_rank(rank: int, fn: Callable[..., Any], world_size: int, port: int, tim
     fn(rank, world_size, *args)
     # Only on success: a failing rank exits at once, and its exit closes the group's connections anyway.
     dist.destroy_process_group()
-    _exit_without_interpreter_shutdown()
-
-
-def _exit_without_interpreter_shutdown() -> None:
-    """End a rank that succeeded without running the interpreter's shutdown.
-
-    [Note: gloo exit race] A gloo worker thread drops its reference to a finished collective's work object a
-    moment after the waiting thread has been released, and with it the tensors the work held. When the main
-    thread has meanwhile reached interpreter shutdown, that release needs the GIL, the thread is told to exit
-    while unwinding through C++, and the process dies with SIGABRT ("terminate called without an active
-    exception"; seen in core dumps under ``ProcessGroupGloo`` work destructors in ``Py_FinalizeEx``), after a
-    run that passed. ``destroy_process_group`` does not join those threads. ``os._exit`` skips the shutdown.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
 
 
 def _failure_report(context: mp.ProcessContext) -> str:

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import re
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from lightning_fsdp.cli import main
+from tests.strategy_scripts import run_in_session
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -57,23 +55,7 @@ def run_fit(config: str, cwd: Path) -> Run:
     """``lightning-fsdp fit --config configs/<config>`` with the test overrides; fails the test unless it succeeds."""
     command = [sys.executable, "-m", "lightning_fsdp.cli", "fit", "--config", str(CONFIGS / config)]
     command += [*TINY, *OVERRIDES[config]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    # A session of its own, so that the rank Lightning's launcher starts can be killed with rank 0.
-    process = subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{config} did not finish within {TIMEOUT:g} s:\n{output}")
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # the other rank, should it outlive rank 0
-        except ProcessLookupError:
-            pass
-    assert process.returncode == 0, f"{config} exited with {process.returncode}:\n{output}"
+    output = run_in_session(command, cwd, TIMEOUT, config)
     checkpoint = re.search(r"^checkpoint: (.+)$", output, re.MULTILINE)
     logs = re.search(r"^logs: (.+)$", output, re.MULTILINE)
     assert checkpoint and logs, f"{config}: no 'checkpoint:'/'logs:' lines at the end of:\n{output}"

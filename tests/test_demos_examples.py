@@ -7,15 +7,14 @@ checkpoint with part of the model frozen, and the frozen weights must come out u
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.strategy_scripts import run_in_session
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 120.0
@@ -23,24 +22,7 @@ TIMEOUT = 120.0
 
 def run_example(name: str, args: list[str], cwd: Path) -> str:
     command = [sys.executable, str(REPO / "examples" / name), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    # A session of its own, so that the rank Lightning's launcher starts can be killed with rank 0.
-    process = subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{name} did not finish within {TIMEOUT:g} s:\n{output}")
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # the other rank, should it outlive rank 0
-        except ProcessLookupError:
-            pass
-    assert process.returncode == 0, f"{name} exited with {process.returncode}:\n{output}"
-    return output
+    return run_in_session(command, cwd, TIMEOUT, name)
 
 
 def reported_checkpoint(output: str) -> Path:

@@ -200,10 +200,12 @@ class TwoBackwardsPerForward(nn.Module):
 
 
 def _check_backward_inside_forward(rank: int, world_size: int) -> None:
-    for strategy in STRATEGIES:
+    # With {Block} the root owns the embeddings; with no policy the root is the only unit, so no unit's output
+    # hook announces the backward at all.
+    for strategy, policy in [(s, {Block}) for s in STRATEGIES] + [("FULL_SHARD", None)]:
         torch.manual_seed(0)
         reference = GPT(TINY_GPT)
-        root = fully_shard(TwoBackwardsPerForward(), {Block}, sharding_strategy=strategy)  # root owns embeddings
+        root = fully_shard(TwoBackwardsPerForward(), policy, sharding_strategy=strategy)
         with torch.no_grad(), summon_full_params(root):
             root.model.load_state_dict(reference.state_dict())
         optimizer = torch.optim.SGD(root.parameters(), lr=0.1)

@@ -199,6 +199,8 @@ def pre_backward(unit: FSDPUnit) -> None:
 
 
 def on_grad_accumulated(unit: FSDPUnit) -> None:
+    # A backward that no unit's output hook announced (it ran inside the only unit's forward) still ends in stage 6.
+    context_of(unit).queue_final_callback()
     unit.grads_seen += 1
     if unit.grads_seen == unit.grads_expected and unit.training_state is not TrainingState.POST_BACKWARD:
         post_backward(unit)

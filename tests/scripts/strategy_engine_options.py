@@ -27,6 +27,7 @@ from strategy_common import LitGPT, make_trainer, out_dir, token_loader, write_j
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.gpt import Block
+from lightning_fsdp.process_exit import exit_after_distributed_run
 
 STEPS = 4
 LOCAL_BATCH = 2
@@ -99,3 +100,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py

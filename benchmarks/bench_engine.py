@@ -81,7 +81,7 @@ if importlib.util.find_spec("lightning_fsdp") is None:
     sys.path.insert(0, str(_REPO_ROOT))
 
 from lightning_fsdp.demos.corpus import VOCAB_SIZE, load_corpus, random_batches  # noqa: E402
-from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig  # noqa: E402
+from lightning_fsdp.demos.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig  # noqa: E402
 from lightning_fsdp.engine.comm_stats import CollectiveCounter  # noqa: E402
 from lightning_fsdp.estimate import MemoryEstimate, estimate_memory, largest_trainable  # noqa: E402
 from lightning_fsdp.process_exit import exit_now  # noqa: E402
@@ -131,6 +131,14 @@ class BenchArgs:
     from_json: tuple[str, ...] = ()
     # One more untimed step under the profiler's memory events, for the step's peak (--largest uses it).
     peak: bool = False
+    # Gather the next block during this one's forward: ours with forward_prefetch=True, FSDP2 with
+    # set_modules_to_forward_prefetch (each its documented way); off by default in both.
+    forward_prefetch: bool = False
+    # The sharding units: every Block, or every Block's attention and MLP (smaller units, less gathered at once).
+    wrap: str = "block"
+
+    def wrapped(self) -> set[type[nn.Module]]:
+        return {Block} if self.wrap == "block" else {CausalSelfAttention, MLP}
 
     def gpt_config(self) -> GPTConfig:
         return GPTConfig(
@@ -163,6 +171,17 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         default="FULL_SHARD",
         choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"],
         help="for ours (FSDP2 runs FULL_SHARD; DDP replicates)",
+    )
+    parser.add_argument(
+        "--forward-prefetch",
+        action="store_true",
+        help="prefetch the next block's parameters in forward, in ours and in fsdp2 (off by default in both)",
+    )
+    parser.add_argument(
+        "--wrap",
+        choices=["block", "sublayer"],
+        default="block",
+        help="sharding units, in ours and in fsdp2: each Block, or each Block's attention and MLP",
     )
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 disables it")
@@ -221,6 +240,8 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         largest=ns.largest,
         budget_mib=ns.budget_mib,
         from_json=tuple(ns.from_json),
+        forward_prefetch=ns.forward_prefetch,
+        wrap=ns.wrap,
         **sizes,
     )
 
@@ -248,7 +269,11 @@ def build(impl: str, args: BenchArgs) -> Trainee:
     if impl == "ours":
         from lightning_fsdp import clip_grad_norm_, fully_shard
 
-        kwargs: dict[str, Any] = {"policy": {Block}, "sharding_strategy": args.sharding_strategy}
+        kwargs: dict[str, Any] = {
+            "policy": args.wrapped(),
+            "sharding_strategy": args.sharding_strategy,
+            "forward_prefetch": args.forward_prefetch,
+        }
         if bf16:
             if "mixed_precision" not in inspect.signature(fully_shard).parameters:
                 raise RuntimeError("ours: fully_shard takes no mixed_precision yet; run with --precision fp32")
@@ -263,9 +288,13 @@ def build(impl: str, args: BenchArgs) -> Trainee:
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
         kwargs = {"mp_policy": policy} if policy is not None else {}
-        for block in model.blocks:
-            fsdp2_fully_shard(block, **kwargs)
+        units = [m for m in model.modules() if isinstance(m, tuple(args.wrapped()))]
+        for unit in units:
+            fsdp2_fully_shard(unit, **kwargs)
         fsdp2_fully_shard(model, **kwargs)
+        if args.forward_prefetch:
+            for unit, next_unit in zip(units, units[1:], strict=False):
+                unit.set_modules_to_forward_prefetch([next_unit])
         return Trainee(model, torch.nn.utils.clip_grad_norm_, no_autocast, num_params)
     if impl == "ddp":
         # The demo's only buffers are constant causal masks: broadcasting them every forward (DDP's default)
@@ -690,6 +719,7 @@ def report(summaries: dict[str, dict[str, Any]], args: BenchArgs, rss_isolated: 
             f"n_head={args.n_head} block={args.block_size} batch={args.batch_size}/rank; W={args.world_size} "
             f"gloo ranks, {args.threads} thread(s) each, {args.precision}; {args.rounds} rounds x "
             f"({args.warmup} warmup + {args.steps} timed) steps"
+            + ("; forward prefetch on (ours and fsdp2)" if args.forward_prefetch else "")
         )
     # Under torchrun the implementations share processes: the peak is whichever came first's, so no ratio.
     rss_note = "" if rss_isolated else " (not isolated)"
@@ -805,12 +835,16 @@ def source_line(source: dict[str, Any]) -> str:
 class ModelFamily:
     """The demo GPT at one width, by depth: its parameter count is exactly ``root + n_layer * block``.
 
-    Depth is the knob because it leaves the largest sharding unit (one ``Block``) the same size, so the
-    estimator's working set of gathered units stays fixed while the sharded part grows.
+    Depth is the knob because it leaves the largest sharding unit (a ``Block``, or its MLP under ``--wrap
+    sublayer``) the same size, so the estimator's working set of gathered units stays fixed while the sharded
+    part grows. Parameters of a layer outside every unit (the layer norms under ``--wrap sublayer``) belong to
+    the root unit, which therefore grows by ``root_per_layer`` a layer.
     """
 
-    block: int  # parameters of one Block, the largest unit
-    root: int  # parameters outside the blocks (tied embedding and head, positions, final norm): the root unit
+    block: int  # parameters of one layer (a Block)
+    root: int  # parameters outside the blocks (tied embedding and head, positions, final norm)
+    unit: int  # parameters of the largest sharding unit
+    root_per_layer: int = 0  # parameters of a layer that no unit of that layer owns
 
     def params(self, n_layer: int) -> int:
         return self.root + n_layer * self.block
@@ -819,19 +853,36 @@ class ModelFamily:
         """The most layers whose model has at most ``max_params`` parameters."""
         return max(0, (max_params - self.root) // self.block)
 
+    def root_unit(self, num_params: int) -> int:
+        return self.root + self.root_per_layer * max(0, num_params - self.root) // self.block
+
     def estimate(self, num_params: int, world_size: int, strategy: str) -> MemoryEstimate:
-        return estimate_memory(num_params, world_size, strategy, largest_unit=self.block, root_unit=self.root)
+        return estimate_memory(
+            num_params, world_size, strategy, largest_unit=self.unit, root_unit=self.root_unit(num_params)
+        )
 
     def largest(self, budget_bytes: int, world_size: int, strategy: str) -> int:
-        return largest_trainable(budget_bytes, world_size, strategy, largest_unit=self.block, root_unit=self.root)
+        # The root grows with depth (by root_per_layer); take it at the deepest model the budget could hold with
+        # no working set at all, which overstates it by a few layer norms at most: conservative.
+        deepest = largest_trainable(budget_bytes, world_size, strategy, largest_unit=0, root_unit=0)
+        return largest_trainable(
+            budget_bytes, world_size, strategy, largest_unit=self.unit, root_unit=self.root_unit(deepest)
+        )
 
 
 def model_family(args: BenchArgs) -> ModelFamily:
-    """Count one block and the rest on the meta device (no memory), at the width ``args`` gives."""
+    """Count one block, its units and the rest on the meta device (no memory), at the width ``args`` gives."""
     with torch.device("meta"):
         model = GPT(replace(args.gpt_config(), n_layer=1))
     block = sum(p.numel() for p in model.blocks[0].parameters())
-    return ModelFamily(block=block, root=sum(p.numel() for p in model.parameters()) - block)
+    units = [m for m in model.blocks[0].modules() if isinstance(m, tuple(args.wrapped()))]
+    unit_sizes = [sum(p.numel() for p in unit.parameters()) for unit in units]
+    return ModelFamily(
+        block=block,
+        root=sum(p.numel() for p in model.parameters()) - block,
+        unit=max(unit_sizes),
+        root_per_layer=block - sum(unit_sizes),
+    )
 
 
 def largest_at(family: ModelFamily, budget_bytes: int, world_size: int) -> dict[str, Any]:
@@ -928,8 +979,9 @@ def largest_report(payload: dict[str, Any]) -> list[str]:
     )
     lines = [
         f"budget: {_mb(budget)} per rank = {payload['budget_source']}",
-        f"estimator (lightning_fsdp.estimate, W={world_size}, fp32 AdamW; unit = one Block of "
-        f"{family['block'] / 1e6:.2f}M params, root {family['root'] / 1e6:.2f}M):",
+        f"estimator (lightning_fsdp.estimate, W={world_size}, fp32 AdamW; largest unit "
+        f"{family.get('unit', family['block']) / 1e6:.2f}M params (wrap: {payload['args'].get('wrap', 'block')}), "
+        f"layer {family['block'] / 1e6:.2f}M, root {family['root'] / 1e6:.2f}M):",
         f"  largest DDP         {at['ddp_params'] / 1e6:7.1f}M params ({at['ddp_layers']} whole layers)",
         f"  largest FULL_SHARD  {at['full_shard_params'] / 1e6:7.1f}M params ({at['full_shard_layers']} whole layers)",
         f"  ratio FULL_SHARD/DDP {at['ratio']:.2f} (in whole layers {whole_layers:.2f}); target >= 1.80",

@@ -14,6 +14,8 @@ which show up at 1e-3 and above).
 from __future__ import annotations
 
 import copy
+import os
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,7 @@ from lightning_fsdp import (
     summon_full_params,
 )
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
+from lightning_fsdp.engine import shm
 
 RTOL = 1e-5
 # Biases start at zero and move about lr per step, so their own scale is ~1e-3 after a few steps; an absolute
@@ -55,6 +58,7 @@ class Run:
     checkpointing: bool = False  # activation checkpointing of every Block
     local_batch: int = 2
     config: GPTConfig = TINY_GPT
+    shared_memory: bool = True  # collectives' data through shared memory (the default between ranks of one host)
 
     def label(self) -> str:
         extras = [f"{k}={v}" for k, v in self.shard.items() if k != "policy"]
@@ -70,7 +74,26 @@ class Run:
             extras.append(f"frozen {self.freeze}")
         if self.checkpointing:
             extras.append("activation checkpointing")
+        if not self.shared_memory:
+            extras.append("gloo only")
         return ", ".join(extras) or "defaults"
+
+
+def reduce_scatter_kind() -> str:
+    """How a reduce-scatter between gloo ranks of one host is counted: through shared memory (the default, see
+    ``lightning_fsdp/engine/shm.py``) it is one; with that switched off it is an all-to-all plus a local sum."""
+    return "reduce_scatter" if shm.enabled() else "all_to_all"
+
+
+def data_moving(counts: Counter[str]) -> dict[str, int]:
+    """Counts or bytes by kind, without the barriers that tell shared-memory readers the data is there."""
+    return {kind: value for kind, value in counts.items() if kind != "barrier"}
+
+
+def initialize(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """One forward without gradients: the root's lazy initialization (a collective) before anything is counted."""
+    with torch.no_grad():
+        model(inputs, targets)
 
 
 def make_optimizer(model: nn.Module, param_groups: bool) -> torch.optim.Optimizer:
@@ -91,6 +114,7 @@ def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def run_parity(rank: int, world_size: int, run: Run) -> None:
     """Train sharded and unsharded side by side and assert weights (and clipped norms) agree."""
+    os.environ[shm.ENV_SWITCH] = "1" if run.shared_memory else "0"  # read at the root's first forward
     torch.manual_seed(0)
     reference = GPT(run.config)
     for name, param in reference.named_parameters():

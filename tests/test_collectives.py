@@ -8,6 +8,7 @@ import torch
 from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.buffers import BufferPool
 from lightning_fsdp.engine.param import ShardLayout
+from lightning_fsdp.engine.shm import SharedMemoryTransport
 from tests.distributed import run_distributed
 
 # (rows, row shape): divisible, not divisible, fewer rows than ranks, a 0-dim tensor.
@@ -41,28 +42,42 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
         ]
         padded[: local.numel()] = local
         shards.append(padded)
-    # All-gather then unpack: every rank ends with every full tensor.
-    pool = BufferPool()
-    output = collectives.all_gather_shards(shards, group, world_size, torch.float32, pool).wait()
-    assert output.numel() == world_size * sum(layout.shard_numel for layout in layouts), "one flat, padded buffer"
-    dests = [torch.full((layout.padded_numel,), -1.0) for layout in layouts]
-    collectives.unpack_all_gather(output, world_size, [layout.shard_numel for layout in layouts], dests)
-    for full, dest in zip(fulls, dests, strict=True):
-        assert torch.equal(dest[: full.numel()].view(full.shape), full)
-    # Reduce-scatter: rank r contributes (r + 1) * full; every rank keeps its rows of the sum.
-    by_rank = []
-    for full, layout in zip(fulls, layouts, strict=True):
-        padded = torch.zeros(layout.padded_numel)
-        padded[: full.numel()] = full.reshape(-1) * (rank + 1)
-        by_rank.append(padded.view(world_size, layout.shard_numel))
-    send = collectives.pack_for_reduce_scatter(by_rank, pool)
-    reduced = collectives.reduce_scatter(send, group, world_size, pool).wait()
-    scale = world_size * (world_size + 1) / 2
-    offset = 0
-    for shard, layout in zip(shards, layouts, strict=True):
-        assert torch.equal(reduced[offset : offset + layout.shard_numel], shard * scale)
-        offset += layout.shard_numel
+    needed = world_size * sum(layout.shard_numel for layout in layouts) * 4
+    shared_memory = SharedMemoryTransport.create(group, needed)
+    assert shared_memory is not None, "ranks of one host share memory"
+    for transport in (None, shared_memory):
+        label = "gloo" if transport is None else "shared memory"
+        # All-gather then unpack: every rank ends with every full tensor.
+        pool = BufferPool()
+        pending = collectives.all_gather_shards(shards, group, world_size, torch.float32, pool, transport)
+        blocks = pending.wait()
+        assert [block.numel() for block in blocks] == [sum(layout.shard_numel for layout in layouts)] * world_size
+        dests = [torch.full((layout.padded_numel,), -1.0) for layout in layouts]
+        collectives.unpack_all_gather(blocks, [layout.shard_numel for layout in layouts], dests)
+        pending.release()
+        for full, dest in zip(fulls, dests, strict=True):
+            assert torch.equal(dest[: full.numel()].view(full.shape), full), label
+        # Reduce-scatter: rank r contributes (r + 1) * full; every rank keeps its rows of the sum.
+        by_rank = []
+        for full, layout in zip(fulls, layouts, strict=True):
+            padded = torch.zeros(layout.padded_numel)
+            padded[: full.numel()] = full.reshape(-1) * (rank + 1)
+            by_rank.append(padded.view(world_size, layout.shard_numel))
+        columns = sum(view.size(1) for view in by_rank)
+        send, slot = collectives.reduce_scatter_send_buffer(
+            world_size, columns, torch.float32, torch.device("cpu"), pool, transport
+        )
+        assert (slot is not None) == (transport is not None), label
+        torch.cat(by_rank, dim=1, out=send)
+        shared = (transport, slot) if transport is not None and slot is not None else None
+        reduced = collectives.reduce_scatter(send, group, world_size, pool, shared).wait()
+        scale = world_size * (world_size + 1) / 2
+        offset = 0
+        for shard, layout in zip(shards, layouts, strict=True):
+            assert torch.equal(reduced[offset : offset + layout.shard_numel], shard * scale), label
+            offset += layout.shard_numel
     # All-reduce, in place.
+    scale = world_size * (world_size + 1) / 2
     flat = torch.full((5,), float(rank))
     assert torch.equal(collectives.all_reduce(flat, group, world_size).wait(), torch.full((5,), scale - world_size))
 

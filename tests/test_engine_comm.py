@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
 from lightning_fsdp import fully_shard
 from lightning_fsdp.demos.gpt import GPT, Block
+from lightning_fsdp.engine import shm
 from lightning_fsdp.engine.comm_stats import CollectiveCounter
 from tests.distributed import run_distributed
-from tests.engine_harness import TINY_GPT
+from tests.engine_harness import TINY_GPT, data_moving, initialize, reduce_scatter_kind
 
 FP32 = 4
 
@@ -19,8 +21,9 @@ FP32 = 4
 def _unit_shard_numels(model: GPT, world_size: int) -> list[int]:
     """Per unit (blocks in order, then the root), the padded elements one rank packs: sum of ceil(rows/W) rows.
 
-    On gloo the reduce-scatter is an all-to-all of the (W, shard_sum) gradient buffer plus a local sum (see
-    [Note: reduce-scatter on gloo] in ``collectives.py``), so it is counted as "all_to_all".
+    Over gloo alone the reduce-scatter is an all-to-all of the (W, shard_sum) gradient buffer plus a local sum
+    (see [Note: reduce-scatter on gloo] in ``collectives.py``), so it is counted as "all_to_all"; through shared
+    memory it is counted as the reduce-scatter it is, with the same send buffer.
     """
 
     def shard_numel(param: torch.Tensor) -> int:
@@ -39,7 +42,9 @@ def _count_one_step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Ten
     return counter
 
 
-def _check_counts(rank: int, world_size: int) -> None:
+def _check_counts(rank: int, world_size: int, shared_memory: bool) -> None:
+    os.environ[shm.ENV_SWITCH] = "1" if shared_memory else "0"
+    reduce = reduce_scatter_kind()
     torch.manual_seed(0)
     tokens = torch.randint(0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size + 1))
     batch = (tokens[:, :-1], tokens[:, 1:])
@@ -51,12 +56,12 @@ def _check_counts(rank: int, world_size: int) -> None:
     expected = {
         # FULL_SHARD: every block gathered in forward and again in backward; the root once (kept for backward).
         "FULL_SHARD": (
-            {"all_gather": 2 * (units - 1) + 1, "all_to_all": units},
-            {"all_gather": gather_bytes + block_gather_bytes, "all_to_all": reduce_bytes},
+            {"all_gather": 2 * (units - 1) + 1, reduce: units},
+            {"all_gather": gather_bytes + block_gather_bytes, reduce: reduce_bytes},
         ),
         "SHARD_GRAD_OP": (
-            {"all_gather": units, "all_to_all": units},
-            {"all_gather": gather_bytes, "all_to_all": reduce_bytes},
+            {"all_gather": units, reduce: units},
+            {"all_gather": gather_bytes, reduce: reduce_bytes},
         ),
         "NO_SHARD": ({"all_reduce": units}, {"all_reduce": sum(p.numel() for p in GPT(TINY_GPT).parameters()) * FP32}),
     }
@@ -64,15 +69,18 @@ def _check_counts(rank: int, world_size: int) -> None:
         for prefetch in ("BACKWARD_PRE", "BACKWARD_POST", None):
             torch.manual_seed(0)
             model = fully_shard(GPT(TINY_GPT), {Block}, sharding_strategy=strategy, backward_prefetch=prefetch)
+            initialize(model, *batch)
             for step in range(2):  # the first step records the forward order; the second uses it
                 counter = _count_one_step(model, batch)
                 label = f"{strategy}, backward_prefetch={prefetch}, step {step}"
-                assert dict(counter.counts) == counts, f"[{label}] collectives {dict(counter.counts)} != {counts}"
-                assert dict(counter.bytes) == nbytes, f"[{label}] bytes {dict(counter.bytes)} != {nbytes}"
+                moved, moved_bytes = data_moving(counter.counts), data_moving(counter.bytes)
+                assert moved == counts, f"[{label}] collectives {moved} != {counts}"
+                assert moved_bytes == nbytes, f"[{label}] bytes {moved_bytes} != {nbytes}"
                 sizes = {e.group_size for e in counter.events}
                 assert sizes == {world_size}, f"[{label}] collectives ran on groups of sizes {sizes}"
 
 
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "gloo"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_one_collective_per_unit_with_padded_shard_bytes(world_size: int) -> None:
-    run_distributed(_check_counts, world_size)
+def test_one_collective_per_unit_with_padded_shard_bytes(world_size: int, shared_memory: bool) -> None:
+    run_distributed(_check_counts, world_size, shared_memory)

@@ -15,7 +15,7 @@ from lightning_fsdp import MixedPrecision, fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block
 from lightning_fsdp.engine.comm_stats import CollectiveCounter
 from tests.distributed import run_distributed
-from tests.engine_harness import TINY_GPT, max_relative_error
+from tests.engine_harness import TINY_GPT, initialize, max_relative_error, reduce_scatter_kind
 
 LOCAL_BATCH = 2
 # The sharded run reduces W half-precision gradients of local batches (divided by W first); the reference computes
@@ -75,6 +75,7 @@ def _check_bytes_buffers_and_inputs(rank: int, world_size: int) -> None:
     def counted(precision: MixedPrecision | None) -> CollectiveCounter:
         torch.manual_seed(0)
         model = fully_shard(GPT(TINY_GPT), {Block}, mixed_precision=precision)
+        initialize(model, inputs, targets)
         with CollectiveCounter() as counter:
             model(inputs, targets).backward()
         return counter
@@ -83,9 +84,10 @@ def _check_bytes_buffers_and_inputs(rank: int, world_size: int) -> None:
     bf16 = counted(MixedPrecision(param_dtype=torch.bfloat16))
     bf16_fp32_reduce = counted(MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     assert bf16.bytes["all_gather"] * 2 == fp32.bytes["all_gather"], "bf16 gathers move half the bytes"
-    assert bf16.bytes["all_to_all"] * 2 == fp32.bytes["all_to_all"], "reduce_dtype defaults to param_dtype"
-    assert bf16_fp32_reduce.bytes["all_to_all"] == fp32.bytes["all_to_all"], "an fp32 reduce_dtype reduces in fp32"
-    assert {e.dtype for e in bf16.events} == {torch.bfloat16}
+    reduce = reduce_scatter_kind()
+    assert bf16.bytes[reduce] * 2 == fp32.bytes[reduce], "reduce_dtype defaults to param_dtype"
+    assert bf16_fp32_reduce.bytes[reduce] == fp32.bytes[reduce], "an fp32 reduce_dtype reduces in fp32"
+    assert {e.dtype for e in bf16.events if e.kind != "barrier"} == {torch.bfloat16}
 
     class WithBuffer(nn.Module):
         def __init__(self) -> None:

@@ -49,3 +49,18 @@ def test_parity_every_strategy_and_prefetch_option(world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_parity_gradient_accumulation_clipping_and_param_groups(world_size: int) -> None:
     run_distributed(_run_all, world_size, _accumulation_and_clipping(), timeout=600)
+
+
+def _gloo_only() -> list[Run]:
+    """The collectives' other path: all data over gloo, as between hosts or with shared memory switched off."""
+    runs = [Run(shard={"sharding_strategy": s}, shared_memory=False) for s in STRATEGIES]
+    runs += [
+        Run(shard={"backward_prefetch": "BACKWARD_POST", "forward_prefetch": True}, steps=4, shared_memory=False),
+        Run(steps=3, accumulate=2, skip_sync=True, clip_norm=0.05, shared_memory=False),
+    ]
+    return runs
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parity_over_gloo_without_shared_memory(world_size: int) -> None:
+    run_distributed(_run_all, world_size, _gloo_only(), timeout=600)

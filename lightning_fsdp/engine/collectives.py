@@ -7,7 +7,8 @@ a pending handle so that callers overlap communication with compute and wait onl
 copies, moving twice the bytes a reduce-scatter needs. An ``all_to_all_single`` that sends rank r the r-th slice
 of every rank's input, followed by a local sum, moves exactly the reduce-scatter minimum ((W - 1)/W of the
 input per rank) and runs asynchronously on gloo's worker threads, so on gloo we build the reduce-scatter that way.
-Backends with a real reduce-scatter (NCCL) use it directly.
+Backends with a real reduce-scatter (NCCL) use it directly. Between CPU ranks of one host, the data of both
+collectives goes through shared memory instead when a transport is given (see ``shm.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from lightning_fsdp.engine import shm
 from lightning_fsdp.engine.buffers import BufferPool
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -31,7 +33,7 @@ def _is_gloo(group: ProcessGroup) -> bool:
 
 @dataclass
 class PendingAllGather:
-    """An all-gather in flight: ``output`` holds every rank's packed shards, rank-major, once ``work`` is done.
+    """An all-gather over gloo in flight: ``output`` holds every rank's packed shards, rank-major, once it is done.
 
     ``send`` is kept alive until then: the collective reads it asynchronously.
     """
@@ -39,52 +41,79 @@ class PendingAllGather:
     output: torch.Tensor
     work: dist.Work | None
     send: torch.Tensor
+    world_size: int
+    pool: BufferPool
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> list[torch.Tensor]:
+        """Every rank's packed shards, one 1-D view per rank."""
         if self.work is not None:
             self.work.wait()
             self.work = None
-        return self.output
+        return list(self.output.view(self.world_size, -1).unbind(0))
+
+    def release(self) -> None:
+        """The caller has copied what it needs out of the views ``wait`` returned."""
+        self.wait()
+        self.pool.give(self.send)
+        self.pool.give(self.output)
 
 
 def all_gather_shards(
-    shards: list[torch.Tensor], group: ProcessGroup | None, world_size: int, dtype: torch.dtype, pool: BufferPool
-) -> PendingAllGather:
-    """Pack this rank's (padded) shards into one ``dtype`` buffer and all-gather it asynchronously."""
+    shards: list[torch.Tensor],
+    group: ProcessGroup | None,
+    world_size: int,
+    dtype: torch.dtype,
+    pool: BufferPool,
+    transport: shm.SharedMemoryTransport | None = None,
+) -> PendingAllGather | shm.PendingSharedGather:
+    """Pack this rank's (padded) shards into one ``dtype`` buffer and all-gather it asynchronously.
+
+    The buffer is a slot of the shared-memory transport when there is one with a free slot (see [Note: why shared
+    memory on CPU] in ``shm.py``), else a pooled buffer all-gathered over the group's backend.
+    """
     numel = sum(shard.numel() for shard in shards)
-    device = shards[0].device
-    send = pool.take(numel, dtype, device)
+    shared = shm.send_buffer(transport, numel, dtype) if world_size > 1 else None
+    send = shared[0] if shared is not None else pool.take(numel, dtype, shards[0].device)
     if all(shard.dtype == dtype for shard in shards):
         torch.cat([shard.reshape(-1) for shard in shards], out=send)
     else:  # mixed precision: the cast is the packing copy
         torch._foreach_copy_(list(send.split([shard.numel() for shard in shards])), [s.reshape(-1) for s in shards])
-    output = pool.take(world_size * numel, dtype, device)
+    if shared is not None:
+        assert transport is not None
+        return shm.all_gather(transport, shared[1], send)
+    output = pool.take(world_size * numel, dtype, send.device)
     if world_size == 1:
         output.copy_(send)
-        return PendingAllGather(output, None, send)
+        return PendingAllGather(output, None, send, world_size, pool)
     work = _all_gather_flat(output, send, group=group, async_op=True)
-    return PendingAllGather(output, work, send)
+    return PendingAllGather(output, work, send, world_size, pool)
 
 
-def unpack_all_gather(
-    output: torch.Tensor, world_size: int, shard_numels: list[int], dests: list[torch.Tensor]
-) -> None:
-    """Copy each parameter's rows out of the rank-major gather output into its padded unsharded buffer.
+def unpack_all_gather(blocks: list[torch.Tensor], shard_numels: list[int], dests: list[torch.Tensor]) -> None:
+    """Copy each parameter's rows out of every rank's packed shards into its padded unsharded buffer.
 
-    The output is ``world_size`` blocks, each the concatenation of every parameter's shard on that rank; viewed as
-    (world_size, shard_sum) the column range of parameter i holds its rows in rank order, which is exactly the
-    layout of its padded full tensor viewed as (world_size, shard_numel_i). One fused op does all the copies.
+    Block r is the concatenation of every parameter's shard on rank r; the rows of parameter i from rank r belong
+    at row r of its padded full tensor viewed as (world_size, shard_numel_i). One fused op per rank does the copies.
     """
-    torch.split_with_sizes_copy(
-        output.view(world_size, -1), shard_numels, dim=1, out=[dest.view(world_size, -1) for dest in dests]
-    )
+    world_size = len(blocks)
+    rows = [dest.view(world_size, -1) for dest in dests]
+    for rank, block in enumerate(blocks):
+        torch.split_with_sizes_copy(block.view(1, -1), shard_numels, dim=1, out=[row[rank : rank + 1] for row in rows])
 
 
-def pack_for_reduce_scatter(grads_by_rank: list[torch.Tensor], pool: BufferPool) -> torch.Tensor:
-    """Concatenate (world_size, shard_numel_i) gradient views into one (world_size, shard_sum) send buffer."""
-    rows, columns = grads_by_rank[0].size(0), sum(g.size(1) for g in grads_by_rank)
-    send = pool.take(rows * columns, grads_by_rank[0].dtype, grads_by_rank[0].device).view(rows, columns)
-    return torch.cat(grads_by_rank, dim=1, out=send)
+def reduce_scatter_send_buffer(
+    rows: int,
+    columns: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    pool: BufferPool,
+    transport: shm.SharedMemoryTransport | None = None,
+) -> tuple[torch.Tensor, int | None]:
+    """The (rows, columns) buffer a reduction sends: a shared-memory slot (with its number) if one is free."""
+    shared = shm.send_buffer(transport, rows * columns, dtype) if rows > 1 else None
+    if shared is not None:
+        return shared[0].view(rows, columns), shared[1]
+    return pool.take(rows * columns, dtype, device).view(rows, columns), None
 
 
 @dataclass
@@ -105,7 +134,7 @@ class PendingReduceScatter:
             self.work.wait()
             self.work = None
         if self.needs_local_sum:
-            self.buffer = self.buffer.sum(dim=0)
+            self.buffer = shm.sum_rows(list(self.buffer.unbind(0)))
             self.needs_local_sum = False
         if self.pool is not None:
             for tensor in self.recycle:
@@ -115,12 +144,19 @@ class PendingReduceScatter:
 
 
 def reduce_scatter(
-    send: torch.Tensor, group: ProcessGroup | None, world_size: int, pool: BufferPool
-) -> PendingReduceScatter:
+    send: torch.Tensor,
+    group: ProcessGroup | None,
+    world_size: int,
+    pool: BufferPool,
+    shared: tuple[shm.SharedMemoryTransport, int] | None = None,
+) -> PendingReduceScatter | shm.PendingSharedReduceScatter:
     """Sum a (world_size, shard_sum) buffer over ranks and keep row ``rank`` of the sum, asynchronously.
 
-    The result never aliases a pooled buffer: it becomes the parameters' ``.grad``.
+    ``shared``: the transport and slot ``send`` was written into (``reduce_scatter_send_buffer``). The result never
+    aliases a pooled or shared buffer: it becomes the parameters' ``.grad``.
     """
+    if shared is not None:
+        return shm.reduce_scatter(shared[0], shared[1], send)
     if world_size == 1 or group is None:
         return PendingReduceScatter(send.view(-1).clone(), None, False, pool, (send,))
     if _is_gloo(group):  # see [Note: reduce-scatter on gloo]

@@ -37,9 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-__all__ = ["CollectiveCounter", "CollectiveEvent", "classify"]
+__all__ = ["CollectiveCounter", "CollectiveEvent", "classify", "record_collective"]
 
 #: Namespaces whose operators are collectives (or their functional, autograd and legacy functional forms).
 _NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
@@ -225,3 +225,17 @@ class CollectiveCounter(TorchDispatchMode):
     def __repr__(self) -> str:
         parts = ", ".join(f"{kind}: {self.counts[kind]} calls / {self.bytes[kind]} B" for kind in sorted(self.counts))
         return f"CollectiveCounter({parts})"
+
+
+def record_collective(kind: str, op: str, payload: torch.Tensor, group_size: int) -> None:
+    """Tell every active counter about a collective whose data moves outside ``torch.distributed`` (shared memory).
+
+    Such a collective reaches no dispatcher op, so without this it would vanish from the counts; it is recorded
+    with the same payload convention as the ``c10d`` op it replaces.
+    """
+    counters = [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, CollectiveCounter)]
+    if counters:
+        nbytes = payload.numel() * payload.element_size()
+        event = CollectiveEvent(kind, op, nbytes, payload.numel(), payload.dtype, group_size)
+        for counter in counters:
+            counter.record(event)

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from lightning_fsdp.engine.buffers import BufferPool
 from lightning_fsdp.engine.options import BackwardPrefetch
 from lightning_fsdp.engine.registry import units_under
+from lightning_fsdp.engine.shm import SharedMemoryTransport
 from lightning_fsdp.engine.unit import FSDPUnit, PendingGradReduction, ShardState, TrainingState
 
 # At most this many units gathered ahead of their use (the rate limiter of ``limit_all_gathers``).
@@ -55,6 +56,7 @@ class RootContext:
         self.order_frozen = False
         self.pending: deque[PendingGradReduction] = deque()
         self.pool = BufferPool()
+        self.transport: SharedMemoryTransport | None = None
         self.callback_queued = False
 
     def lazy_init(self) -> None:
@@ -69,6 +71,15 @@ class RootContext:
         for unit in self.units:
             unit.is_root = unit is self.root
             unit.context = self
+        self.transport = self._shared_memory_transport()
+
+    def _shared_memory_transport(self) -> SharedMemoryTransport | None:
+        """A collective over the shard group (this runs at the root's first forward, on every rank alike)."""
+        sharded = [unit for unit in self.units if unit.params and unit.world_size > 1]
+        on_cpu = all(p.unsharded_buffer.device.type == "cpu" for unit in sharded for p in unit.params)
+        if not sharded or not on_cpu:
+            return None
+        return SharedMemoryTransport.create(sharded[0].shard_group, max(u.collective_bytes() for u in sharded))
 
     # ----- order and prefetch --------------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from lightning_fsdp.engine import collectives
+from lightning_fsdp.engine import collectives, shm
 from lightning_fsdp.engine.buffers import BufferPool
 from lightning_fsdp.engine.options import ShardingOptions
 from lightning_fsdp.engine.param import FSDPParam
@@ -48,7 +48,7 @@ class PendingGradReduction:
     """
 
     unit: FSDPUnit
-    pending: collectives.PendingReduceScatter
+    pending: collectives.PendingReduceScatter | shm.PendingSharedReduceScatter
     had_grad: list[bool]
     divide_after: bool  # fp32 reductions divide the (W-times smaller) result; low precision divides first
 
@@ -91,7 +91,7 @@ class FSDPUnit:
         self.is_root = False
         self.in_forward = False  # between this unit's pre- and post-forward (backward may run in between)
         self.requires_grad_sync = True
-        self._pending_gather: collectives.PendingAllGather | None = None
+        self._pending_gather: collectives.PendingAllGather | shm.PendingSharedGather | None = None
         self.prefetched = False  # unsharded ahead of use; cleared when the unit is used
         self.context: Any = None  # the RootContext of the root this unit runs under, set at the root's lazy init
         self.grads_expected = 0  # trainable parameters, counted at pre-forward
@@ -101,6 +101,20 @@ class FSDPUnit:
     def pool(self) -> BufferPool:
         """The root's pool of collective buffers (see [Note: why pool on CPU]); none before the first forward."""
         return self.context.pool if self.context is not None else _NO_POOL
+
+    def transport(self) -> shm.SharedMemoryTransport | None:
+        """The root's shared-memory transport for the shard group, if its ranks share a host (see ``shm.py``)."""
+        return self.context.transport if self.context is not None else None
+
+    def collective_bytes(self) -> int:
+        """The largest send buffer this unit's collectives fill: its packed shards, or its reduced gradients."""
+        if not self.params:
+            return 0
+        shard_numel = sum(p.layout.shard_numel for p in self.params)
+        trainable_numel = sum(p.layout.shard_numel for p in self.params if p.requires_grad)
+        param_dtype = self.options.mixed_precision.param_dtype or self.params[0].padded_shard.dtype
+        reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or param_dtype
+        return max(shard_numel * param_dtype.itemsize, self.world_size * trainable_numel * reduce_dtype.itemsize)
 
     def __repr__(self) -> str:
         return f"FSDPUnit({type(self.module).__name__}, params={len(self.params) + len(self.replicated)})"
@@ -117,7 +131,7 @@ class FSDPUnit:
         dtype = self.options.mixed_precision.param_dtype or shards[0].dtype
         with torch.no_grad():
             self._pending_gather = collectives.all_gather_shards(
-                shards, self.shard_group, self.world_size, dtype, self.pool()
+                shards, self.shard_group, self.world_size, dtype, self.pool(), self.transport()
             )
         self.shard_state = ShardState.UNSHARDING
 
@@ -129,16 +143,13 @@ class FSDPUnit:
             return
         assert self._pending_gather is not None
         pending, self._pending_gather = self._pending_gather, None
-        output = pending.wait()
         with torch.no_grad():
             collectives.unpack_all_gather(
-                output,
-                self.world_size,
+                pending.wait(),
                 [fsdp_param.layout.shard_numel for fsdp_param in self.params],
                 [fsdp_param.unsharded_buffer for fsdp_param in self.params],
             )
-        self.pool().give(pending.send)
-        self.pool().give(output)
+        pending.release()
         for fsdp_param in self.params:
             fsdp_param.register_unsharded()
         self.shard_state = ShardState.UNSHARDED
@@ -185,15 +196,19 @@ class FSDPUnit:
             if grad is None:
                 grad = fsdp_param.sharded.new_zeros(self.world_size, fsdp_param.layout.shard_numel)
             views.append(grad)
-        pool = self.pool()
+        reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or views[0].dtype
+        columns = sum(view.size(1) for view in views)
+        pool, transport = self.pool(), self.transport()
+        send, slot = collectives.reduce_scatter_send_buffer(
+            self.world_size, columns, reduce_dtype, views[0].device, pool, transport
+        )
         with torch.no_grad():
-            packed = collectives.pack_for_reduce_scatter(views, pool)
-            send, divide_after = self._in_reduce_dtype(packed)
-        if send is not packed:
-            pool.give(packed)
+            torch.cat(views, dim=1, out=send)  # the cast to reduce_dtype, if any, is the packing copy
+            divide_after = self._divide_before_reducing(send)
         for fsdp_param in trainable:
             fsdp_param.unsharded.grad = None
-        pending = collectives.reduce_scatter(send, self.shard_group, self.world_size, pool)
+        shared = (transport, slot) if transport is not None and slot is not None else None
+        pending = collectives.reduce_scatter(send, self.shard_group, self.world_size, pool, shared)
         return PendingGradReduction(self, pending, had_grad, divide_after)
 
     def _all_reduce_grads(self) -> PendingGradReduction | None:
@@ -201,21 +216,21 @@ class FSDPUnit:
         if not trainable:
             return None
         had_grad = [param.grad is not None for param in trainable]
+        reduce_dtype = self.options.mixed_precision.effective_reduce_dtype
         with torch.no_grad():
             flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in trainable])
-            flat, divide_after = self._in_reduce_dtype(flat)
+            if reduce_dtype is not None and flat.dtype != reduce_dtype:
+                flat = flat.to(reduce_dtype)
+            divide_after = self._divide_before_reducing(flat)
         pending = collectives.all_reduce(flat, self.replicate_group, self.total_world_size)
         return PendingGradReduction(self, pending, had_grad, divide_after)
 
-    def _in_reduce_dtype(self, send: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """Cast to ``reduce_dtype``; low precision divides by the ranks first, so the sum cannot overflow."""
-        reduce_dtype = self.options.mixed_precision.effective_reduce_dtype
-        if reduce_dtype is not None and send.dtype != reduce_dtype:
-            send = send.to(reduce_dtype)
+    def _divide_before_reducing(self, send: torch.Tensor) -> bool:
+        """Low precision divides by the ranks first, so the sum cannot overflow; fp32 divides the result after."""
         if send.dtype in (torch.float16, torch.bfloat16):
             send.div_(self.total_world_size)
-            return send, False
-        return send, True
+            return False
+        return True
 
     def accept_reduced_grads(self, reduced: torch.Tensor, had_grad: list[bool]) -> None:
         """Hand each trainable parameter that had a gradient its slice of the reduced buffer (views: no copy)."""

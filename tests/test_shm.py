@@ -1,0 +1,117 @@
+"""The shared-memory transport: slots every rank agrees on, the gloo fallback, and no slot rewritten while read."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_fsdp import fully_shard, summon_full_params
+from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
+from lightning_fsdp.engine import collectives, shm
+from lightning_fsdp.engine.buffers import BufferPool
+from lightning_fsdp.engine.registry import units_under
+from lightning_fsdp.engine.shm import SLOTS, SharedMemoryTransport
+from tests.distributed import run_distributed
+
+
+def _segment_files() -> set[str]:
+    return {name for name in os.listdir(shm.SHM_DIR) if name.startswith("lightning_fsdp-")}
+
+
+def _gather(value: float, transport: SharedMemoryTransport | None, pool: BufferPool) -> object:
+    group, world_size = dist.group.WORLD, dist.get_world_size()
+    return collectives.all_gather_shards([torch.full((5,), value)], group, world_size, torch.float32, pool, transport)
+
+
+def _check_slots(rank: int, world_size: int) -> None:
+    before = _segment_files()
+    dist.barrier()
+    transport = SharedMemoryTransport.create(dist.group.WORLD, 1024)
+    assert transport is not None, "ranks of one host share memory"
+    dist.barrier()  # every rank has returned from create
+    assert _segment_files() - before == set(), "the segment files are gone once every rank has mapped them"
+
+    assert transport.acquire(transport.slot_bytes + 1) is None, "a collective larger than a slot goes over gloo"
+    assert [transport.acquire(8) for _ in range(SLOTS)] == list(range(SLOTS)), "the lowest free slot first"
+    assert transport.acquire(8) is None, "every slot in flight: the next collective goes over gloo"
+    transport.release(3)
+    assert transport.acquire(8) == 3, "a released slot is taken again"
+    for slot in range(SLOTS):
+        transport.release(slot)
+
+    # More gathers in flight than slots, finished in reverse order: the first SLOTS through shared memory, the
+    # rest over gloo, every value right on every rank.
+    pool = BufferPool()
+    pending = [_gather(10.0 * i + rank, transport, pool) for i in range(SLOTS + 3)]
+    assert [isinstance(p, shm.PendingSharedGather) for p in pending] == [True] * SLOTS + [False] * 3
+    for i in reversed(range(len(pending))):
+        blocks = pending[i].wait()
+        assert [block.tolist() for block in blocks] == [[10.0 * i + r] * 5 for r in range(world_size)]
+        pending[i].release()
+
+
+def _check_no_rewrite_before_everyone_read(rank: int, world_size: int) -> None:
+    """Rank 0 races ahead into the next collective, which takes the same slot; the slow rank still reads the first."""
+    transport = SharedMemoryTransport.create(dist.group.WORLD, 1024)
+    assert transport is not None
+    pool = BufferPool()
+    first = _gather(1.0 + rank, transport, pool)
+    if rank == world_size - 1:
+        first.wait()
+        time.sleep(1.0)  # everyone else has read and moved on; this rank has not read yet
+        assert [block.tolist() for block in first.wait()] == [[1.0 + r] * 5 for r in range(world_size)]
+        first.release()
+    else:
+        first.release()
+    second = _gather(100.0 + rank, transport, pool)
+    assert isinstance(second, shm.PendingSharedGather) and second.slot == 0, "the first collective's slot again"
+    assert [block.tolist() for block in second.wait()] == [[100.0 + r] * 5 for r in range(world_size)]
+    second.release()
+
+
+def _check_every_rank_agrees_to_fall_back(rank: int, world_size: int) -> None:
+    os.environ[shm.ENV_SWITCH] = "0" if rank == 1 else "1"  # switched off on one rank only
+    assert SharedMemoryTransport.create(dist.group.WORLD, 1024) is None
+    os.environ[shm.ENV_SWITCH] = "1"
+    if rank == 1:  # as if rank 1 had its own /dev/shm (another container): it cannot see the others' tokens
+        shm._peer = lambda path, nbytes, token: None
+    assert SharedMemoryTransport.create(dist.group.WORLD, 1024) is None
+    assert SharedMemoryTransport.create(None, 1024) is None, "no group: nothing to share"
+    singletons = [dist.new_group([r]) for r in range(world_size)]  # new_group is a collective over every rank
+    assert SharedMemoryTransport.create(singletons[rank], 1024) is None
+
+
+def _check_summon_more_units_than_slots(rank: int, world_size: int) -> None:
+    """summon_full_params gathers every unit before reading any: more collectives in flight than slots."""
+    config = GPTConfig(vocab_size=61, block_size=8, n_layer=SLOTS + 2, n_head=2, n_embd=8)
+    torch.manual_seed(0)
+    reference = GPT(config)
+    torch.manual_seed(0)
+    model = fully_shard(GPT(config), {Block})
+    tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1))
+    model(tokens[:, :-1], tokens[:, 1:]).backward()  # the first forward creates the transport
+    assert units_under(model)[0].transport() is not None
+    with summon_full_params(model):
+        for (name, full), (_, expected) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+            assert torch.equal(full, expected), name
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_slots_are_agreed_and_fall_back_to_gloo_when_all_are_in_flight(world_size: int) -> None:
+    run_distributed(_check_slots, world_size)
+
+
+def test_a_slot_is_rewritten_only_after_every_rank_has_read_it() -> None:
+    run_distributed(_check_no_rewrite_before_everyone_read, 2)
+
+
+def test_every_rank_falls_back_to_gloo_together() -> None:
+    run_distributed(_check_every_rank_agrees_to_fall_back, 2)
+
+
+def test_summon_full_params_with_more_units_than_slots() -> None:
+    run_distributed(_check_summon_more_units_than_slots, 2)

@@ -24,7 +24,8 @@ Why it is built this way:
   parameters, gradients and optimizer state, so a shard stored inside a padded buffer counts the buffer, and
   a freed (resized to 0) unsharded parameter counts nothing. DTensors (FSDP2) count their local tensors. The
   "live tensors" figure is the same over every tensor the garbage collector can reach, which catches buffers
-  an engine keeps alive outside the parameters.
+  an engine keeps alive outside the parameters, plus the slots of our shared-memory segment that collectives
+  have written (a mapped file is counted by what is resident, not by its size).
 - Communication volume is counted with ``CollectiveCounter`` (lightning_fsdp/engine/comm_stats.py) on one extra
   step that is not timed, because its dispatch mode slows every operator.
 - Communication time comes from ``torch.profiler`` on one more untimed step: "comm busy" is the union of the
@@ -83,6 +84,7 @@ if importlib.util.find_spec("lightning_fsdp") is None:
 from lightning_fsdp.demos.corpus import VOCAB_SIZE, load_corpus, random_batches  # noqa: E402
 from lightning_fsdp.demos.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig  # noqa: E402
 from lightning_fsdp.engine.comm_stats import CollectiveCounter  # noqa: E402
+from lightning_fsdp.engine.registry import units_under  # noqa: E402
 from lightning_fsdp.estimate import MemoryEstimate, estimate_memory, largest_trainable  # noqa: E402
 from lightning_fsdp.process_exit import exit_now  # noqa: E402
 
@@ -339,8 +341,8 @@ def _storages(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> in
         with contextlib.suppress(RuntimeError, NotImplementedError):  # e.g. tensors without storage
             storage = _local(tensor).untyped_storage()
             key = (str(storage.device), storage.data_ptr())
-            if storage.nbytes() == 0 or key in seen:
-                continue
+            if storage.nbytes() == 0 or key in seen or storage.filename is not None:
+                continue  # a mapped file (ours' shared-memory segments): counted by shared_memory_bytes
             seen.add(key)
             total += storage.nbytes()
     return total
@@ -372,6 +374,13 @@ def live_tensor_bytes() -> int:
                     yield obj
 
     return _storages(tensors(), set())
+
+
+def shared_memory_bytes(model: nn.Module) -> int:
+    """What ours' shared-memory transport holds on this rank: the slots written (0 for FSDP2 and DDP)."""
+    units = units_under(model)
+    transport = units[0].transport() if units else None
+    return transport.resident_bytes if transport is not None else 0
 
 
 def peak_rss_bytes() -> int:
@@ -457,7 +466,7 @@ def peak_step(
     bytes leave out.
     """
     optimizer.zero_grad(set_to_none=True)
-    start = live_tensor_bytes() - data_bytes
+    start = live_tensor_bytes() + shared_memory_bytes(trainee.model) - data_bytes
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         loss = train_step(trainee, optimizer, batch, args)
     events = prof.profiler.kineto_results.events() if prof.profiler is not None else []
@@ -494,7 +503,7 @@ def run_impl(impl: str, args: BenchArgs, rank: int, world_size: int) -> dict[str
     with CollectiveCounter() as comm:
         losses.append(train_step(trainee, optimizer, next(batch_iter), args))
     memory = state_bytes(trainee.model, optimizer)
-    live = live_tensor_bytes()
+    live = live_tensor_bytes() + shared_memory_bytes(trainee.model)
     comm_time: dict[str, Any] = {}
     if args.profile:
         loss, comm_time = profiled_step(trainee, optimizer, next(batch_iter), args)

@@ -68,6 +68,12 @@ class SharedMemoryTransport:
         self.segments = segments  # uint8, one per rank of the group, in group rank order (this rank's own too)
         self._busy = [False] * SLOTS
         self._released: list[dist.Work | None] = [None] * SLOTS  # the barrier saying every rank has read the slot
+        self.slots_used = 0  # slots ever taken: the lowest-free rule keeps this at the most in flight at once
+
+    @property
+    def resident_bytes(self) -> int:
+        """This rank's memory in its segment: the slots ever written (untouched pages of a mapping take none)."""
+        return self.slots_used * self.slot_bytes
 
     @staticmethod
     def create(group: ProcessGroup | None, slot_bytes: int) -> SharedMemoryTransport | None:
@@ -117,6 +123,7 @@ class SharedMemoryTransport:
                     released.wait()
                     self._released[slot] = None
                 self._busy[slot] = True
+                self.slots_used = max(self.slots_used, slot + 1)
                 return slot
         return None
 

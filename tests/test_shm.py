@@ -36,10 +36,15 @@ def _check_slots(rank: int, world_size: int) -> None:
     assert _segment_files() - before == set(), "the segment files are gone once every rank has mapped them"
 
     assert transport.acquire(transport.slot_bytes + 1) is None, "a collective larger than a slot goes over gloo"
-    assert [transport.acquire(8) for _ in range(SLOTS)] == list(range(SLOTS)), "the lowest free slot first"
+    assert [transport.acquire(8) for _ in range(SLOTS)] == list(range(SLOTS)), "every slot once"
     assert transport.acquire(8) is None, "every slot in flight: the next collective goes over gloo"
-    transport.release(3)
-    assert transport.acquire(8) == 3, "a released slot is taken again"
+    transport.release(2)
+    transport.release(0)
+    assert transport.acquire(8) == 2, "the slot free the longest first"
+    transport.release(2)
+    for slot in (1, 3):
+        transport.release(slot)
+    assert [transport.acquire(8) for _ in range(4)] == [0, 2, 1, 3], "in the order they were released"
     for slot in range(SLOTS):
         transport.release(slot)
 
@@ -55,22 +60,22 @@ def _check_slots(rank: int, world_size: int) -> None:
 
 
 def _check_no_rewrite_before_everyone_read(rank: int, world_size: int) -> None:
-    """Rank 0 races ahead into the next collective, which takes the same slot; the slow rank still reads the first."""
+    """Rank 0 races ahead into the next collective, which must take the same slot; the slow rank still reads."""
     transport = SharedMemoryTransport.create(dist.group.WORLD, 1024)
     assert transport is not None
+    held = [transport.acquire(8) for _ in range(SLOTS - 1)]  # one slot left for the two collectives below
     pool = BufferPool()
     first = _gather(1.0 + rank, transport, pool)
     if rank == world_size - 1:
         first.wait()
         time.sleep(1.0)  # everyone else has read and moved on; this rank has not read yet
         assert [block.tolist() for block in first.wait()] == [[1.0 + r] * 5 for r in range(world_size)]
-        first.release()
-    else:
-        first.release()
+    first.release()
     second = _gather(100.0 + rank, transport, pool)
-    assert isinstance(second, shm.PendingSharedGather) and second.slot == 0, "the first collective's slot again"
+    assert isinstance(second, shm.PendingSharedGather) and second.slot == first.slot, "the only free slot again"
     assert [block.tolist() for block in second.wait()] == [[100.0 + r] * 5 for r in range(world_size)]
     second.release()
+    assert None not in held
 
 
 def _check_every_rank_agrees_to_fall_back(rank: int, world_size: int) -> None:

@@ -11,11 +11,14 @@ same with a sum: each rank packs its (world_size, shard) gradient buffer into it
 every segment. This is what DeepSpeed's shared-memory all-reduce does for CPU ranks; NCCL does it on one node too.
 
 [Note: slots] Each rank's segment is cut into ``SLOTS`` equal slots, one per collective in flight. A collective
-takes the lowest-numbered free slot: every rank issues and finishes the engine's collectives in the same order, so
-every rank takes the same slot, which is how readers know where to look. A slot is free again once this rank has
-read the data of its collective (``release``), and is written again only after a second barrier, issued at
-release, says that every other rank has read it too. When every slot is taken, the collective runs over gloo
-instead (every rank sees the same busy slots, so all of them do); a step of the engine needs at most five.
+takes the free slot that has been free the longest: every rank issues and finishes the engine's collectives in the
+same order, so every rank takes the same slot, which is how readers know where to look. A slot is free again once
+this rank has read the data of its collective (``release``), and is written again only after a second barrier,
+issued at release, says that every other rank has read it too. Taking the longest-free slot rather than the lowest
+gives that barrier time to complete: reusing the slot just released made every rank wait for the slowest reader,
+~10 ms a step of the benchmark model. When every slot is taken, the collective runs over gloo instead (every rank
+sees the same busy slots, so all of them do); a training step keeps at most four in flight (two gathers, two
+reductions).
 
 Barriers are gloo collectives, so a rank that dies makes the others fail with gloo's timeout rather than hang.
 Set ``LIGHTNING_FSDP_SHARED_MEMORY=0`` to keep everything on gloo. Each segment is a file in ``/dev/shm``, removed
@@ -27,6 +30,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -36,7 +40,7 @@ from lightning_fsdp.engine.comm_stats import record_collective
 
 ENV_SWITCH = "LIGHTNING_FSDP_SHARED_MEMORY"
 SHM_DIR = "/dev/shm"
-SLOTS = 6
+SLOTS = 4
 _ALIGN = 64  # bytes: keeps every slot aligned for vectorised copies of any dtype
 
 
@@ -66,9 +70,9 @@ class SharedMemoryTransport:
         self.world_size = group.size()
         self.slot_bytes = slot_bytes
         self.segments = segments  # uint8, one per rank of the group, in group rank order (this rank's own too)
-        self._busy = [False] * SLOTS
+        self._free = deque(range(SLOTS))  # free slots, the longest free first
         self._released: list[dist.Work | None] = [None] * SLOTS  # the barrier saying every rank has read the slot
-        self.slots_used = 0  # slots ever taken: the lowest-free rule keeps this at the most in flight at once
+        self.slots_used = 0  # the highest slot ever taken, plus one: the slots whose pages are resident
 
     @property
     def resident_bytes(self) -> int:
@@ -114,18 +118,15 @@ class SharedMemoryTransport:
 
     def acquire(self, nbytes: int) -> int | None:
         """The slot for the next collective, or None: it does not fit, or every slot is in flight (use gloo)."""
-        if nbytes > self.slot_bytes:
+        if nbytes > self.slot_bytes or not self._free:
             return None
-        for slot, busy in enumerate(self._busy):
-            if not busy:
-                released = self._released[slot]
-                if released is not None:  # everyone must have read what this slot held before we overwrite it
-                    released.wait()
-                    self._released[slot] = None
-                self._busy[slot] = True
-                self.slots_used = max(self.slots_used, slot + 1)
-                return slot
-        return None
+        slot = self._free.popleft()
+        released = self._released[slot]
+        if released is not None:  # everyone must have read what this slot held before we overwrite it
+            released.wait()
+            self._released[slot] = None
+        self.slots_used = max(self.slots_used, slot + 1)
+        return slot
 
     def view(self, rank: int, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """``numel`` elements of ``dtype`` at the start of ``rank``'s ``slot`` (this rank's own: to write into)."""
@@ -139,7 +140,7 @@ class SharedMemoryTransport:
     def release(self, slot: int) -> None:
         """This rank has read what it needed from every rank's ``slot``; the slot is written again after all have."""
         self._released[slot] = dist.barrier(group=self.group, async_op=True)
-        self._busy[slot] = False
+        self._free.append(slot)
 
 
 class PendingSharedGather:

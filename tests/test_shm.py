@@ -91,15 +91,19 @@ def _check_every_rank_agrees_to_fall_back(rank: int, world_size: int) -> None:
 
 
 def _check_summon_more_units_than_slots(rank: int, world_size: int) -> None:
-    """summon_full_params gathers every unit before reading any: more collectives in flight than slots."""
+    """summon_full_params gathers every unit before reading any: more collectives in flight than slots. The
+    transport is created at a first forward under inference mode and still written by training afterwards."""
     config = GPTConfig(vocab_size=61, block_size=8, n_layer=SLOTS + 2, n_head=2, n_embd=8)
     torch.manual_seed(0)
     reference = GPT(config)
     torch.manual_seed(0)
     model = fully_shard(GPT(config), {Block})
     tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1))
-    model(tokens[:, :-1], tokens[:, 1:]).backward()  # the first forward creates the transport
-    assert units_under(model)[0].transport() is not None
+    with torch.inference_mode():  # the first forward creates the transport; under Lightning it can be validation's
+        model(tokens[:, :-1], tokens[:, 1:])
+    transport = units_under(model)[0].transport()
+    assert transport is not None and not any(segment.is_inference() for segment in transport.segments)
+    model(tokens[:, :-1], tokens[:, 1:]).backward()  # training writes into the slots outside inference mode
     with summon_full_params(model):
         for (name, full), (_, expected) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
             assert torch.equal(full, expected), name

@@ -49,8 +49,14 @@ def enabled() -> bool:
 
 
 def _map(path: str, nbytes: int) -> torch.Tensor:
-    """A file of ``nbytes`` in ``/dev/shm``, created if missing, mapped shared: writes are seen by every mapper."""
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    """A file of ``nbytes`` in ``/dev/shm``, created if missing, mapped shared: writes are seen by every mapper.
+
+    Never an inference tensor, though the first forward may run under Lightning's ``inference_mode`` (validation):
+    training writes into these slots outside it, where an inference tensor accepts in-place writes only under
+    ``no_grad``.
+    """
+    with torch.inference_mode(False):
+        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
 def _peer(path: str, nbytes: int, token: bytes) -> torch.Tensor | None:

@@ -27,6 +27,7 @@ as soon as every rank has mapped it: the memory lives exactly as long as the pro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
@@ -115,7 +116,8 @@ class SharedMemoryTransport:
             agreed: list[bool | None] = [None] * group.size()
             dist.all_gather_object(agreed, all(s is not None for s in segments), group=group)  # all have mapped
         finally:
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):  # mapping it may have failed before creating it
+                os.unlink(path)
         if not all(agreed):
             return None
         return SharedMemoryTransport(group, slot_bytes, segments)

@@ -44,12 +44,12 @@ class PendingAllGather:
     world_size: int
     pool: BufferPool
 
-    def wait(self) -> list[torch.Tensor]:
-        """Every rank's packed shards, one 1-D view per rank."""
+    def wait(self) -> torch.Tensor:
+        """Every rank's packed shards, as (world_size, shard_sum): row r is rank r's."""
         if self.work is not None:
             self.work.wait()
             self.work = None
-        return list(self.output.view(self.world_size, -1).unbind(0))
+        return self.output.view(self.world_size, -1)
 
     def release(self) -> None:
         """The caller has copied what it needs out of the views ``wait`` returned."""
@@ -89,15 +89,22 @@ def all_gather_shards(
     return PendingAllGather(output, work, send, world_size, pool)
 
 
-def unpack_all_gather(blocks: list[torch.Tensor], shard_numels: list[int], dests: list[torch.Tensor]) -> None:
+def unpack_all_gather(
+    gathered: torch.Tensor | list[torch.Tensor], shard_numels: list[int], dests: list[torch.Tensor]
+) -> None:
     """Copy each parameter's rows out of every rank's packed shards into its padded unsharded buffer.
 
-    Block r is the concatenation of every parameter's shard on rank r; the rows of parameter i from rank r belong
-    at row r of its padded full tensor viewed as (world_size, shard_numel_i). One fused op per rank does the copies.
+    Row r of ``gathered`` (a (world_size, shard_sum) tensor, or one 1-D block per rank when the blocks lie in
+    separate shared-memory segments) is the concatenation of every parameter's shard on rank r; the rows of
+    parameter i from rank r belong at row r of its padded full tensor viewed as (world_size, shard_numel_i). One
+    fused op does the copies of all ranks (of each rank, for separate blocks).
     """
-    world_size = len(blocks)
+    world_size = len(gathered)
     rows = [dest.view(world_size, -1) for dest in dests]
-    for rank, block in enumerate(blocks):
+    if isinstance(gathered, torch.Tensor):
+        torch.split_with_sizes_copy(gathered, shard_numels, dim=1, out=rows)
+        return
+    for rank, block in enumerate(gathered):
         torch.split_with_sizes_copy(block.view(1, -1), shard_numels, dim=1, out=[row[rank : rank + 1] for row in rows])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 
@@ -82,6 +83,19 @@ def _check_every_rank_agrees_to_fall_back(rank: int, world_size: int) -> None:
     os.environ[shm.ENV_SWITCH] = "0" if rank == 1 else "1"  # switched off on one rank only
     assert SharedMemoryTransport.create(dist.group.WORLD, 1024) is None
     os.environ[shm.ENV_SWITCH] = "1"
+    before = _segment_files()
+    dist.barrier()
+    real_fallocate = os.posix_fallocate
+    if rank == 1:  # /dev/shm is full when rank 1 reserves its segment
+
+        def out_of_room(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        os.posix_fallocate = out_of_room
+    assert SharedMemoryTransport.create(dist.group.WORLD, 1024) is None
+    os.posix_fallocate = real_fallocate
+    dist.barrier()
+    assert _segment_files() - before == set(), "every rank removed the segment it had reserved"
     if rank == 1:  # as if rank 1 had its own /dev/shm (another container): it cannot see the others' tokens
         shm._peer = lambda path, nbytes, token: None
     assert SharedMemoryTransport.create(dist.group.WORLD, 1024) is None

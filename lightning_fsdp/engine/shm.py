@@ -21,15 +21,15 @@ sees the same busy slots, so all of them do); a training step keeps at most four
 reductions).
 
 Barriers are gloo collectives, so a rank that dies makes the others fail with gloo's timeout rather than hang.
-Set ``LIGHTNING_FSDP_SHARED_MEMORY=0`` to keep everything on gloo. Each segment is a file in ``/dev/shm``, removed
-as soon as every rank has mapped it: the memory lives exactly as long as the processes that map it.
+Set ``LIGHTNING_FSDP_SHARED_MEMORY=0`` to keep everything on gloo. Each segment is a file in ``/dev/shm``, allocated
+in full when it is created (``SLOTS`` x the largest unit's send buffer: 48 MiB a rank for the 25M-parameter benchmark
+model) and removed as soon as every rank has mapped it: the memory lives exactly as long as the processes that map it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import uuid
 from collections import deque
 
@@ -47,6 +47,26 @@ _ALIGN = 64  # bytes: keeps every slot aligned for vectorised copies of any dtyp
 
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def _reserve(path: str, nbytes: int) -> bool:
+    """Create the segment's file with all its memory allocated now; False if ``/dev/shm`` lacks the room.
+
+    A sparse file would take its pages only as collectives first write them, and the ranks of one host share one
+    ``/dev/shm``: running out then kills the process with SIGBUS in the middle of training. Allocating up front
+    turns that into a refusal here, on the rank that ran out, before any rank depends on the transport.
+    """
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError:  # no /dev/shm here, or no permission
+        return False
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _map(path: str, nbytes: int) -> torch.Tensor:
@@ -79,33 +99,32 @@ class SharedMemoryTransport:
         self.segments = segments  # uint8, one per rank of the group, in group rank order (this rank's own too)
         self._free = deque(range(SLOTS))  # free slots, the longest free first
         self._released: list[dist.Work | None] = [None] * SLOTS  # the barrier saying every rank has read the slot
-        self.slots_used = 0  # the highest slot ever taken, plus one: the slots whose pages are resident
 
     @property
     def resident_bytes(self) -> int:
-        """This rank's memory in its segment: the slots ever written (untouched pages of a mapping take none)."""
-        return self.slots_used * self.slot_bytes
+        """This rank's memory in shared memory: its whole segment, allocated when the transport was created."""
+        return SLOTS * self.slot_bytes
 
     @staticmethod
     def create(group: ProcessGroup | None, slot_bytes: int) -> SharedMemoryTransport | None:
         """A collective over ``group``: the transport, or None where its ranks cannot share memory (on every rank).
 
         None for no group, a group of one rank or over another backend than gloo, when it is switched off or
-        ``/dev/shm`` lacks room on some rank, and for ranks that do not see each other's segments (other hosts,
-        containers with their own ``/dev/shm``): each rank checks a random token every other rank wrote.
+        ``/dev/shm`` lacks room for every rank's segment, and for ranks that do not see each other's segments (other
+        hosts, containers with their own ``/dev/shm``): each rank checks a random token every other rank wrote.
         """
         if group is None or group.size() == 1 or dist.get_backend(group) != dist.Backend.GLOO or slot_bytes <= 0:
             return None
         slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
         wanted = SLOTS * slot_bytes
-        fits = os.path.isdir(SHM_DIR) and shutil.disk_usage(SHM_DIR).free > 2 * wanted
         name, token = f"lightning_fsdp-{uuid.uuid4().hex}", uuid.uuid4().bytes
-        offers: list[tuple[str, bytes, bool] | None] = [None] * group.size()
-        dist.all_gather_object(offers, (name, token, enabled() and fits), group=group)
-        if not all(ok for _, _, ok in offers):
-            return None
         path = os.path.join(SHM_DIR, name)
         try:
+            reserved = enabled() and _reserve(path, wanted)
+            offers: list[tuple[str, bytes, bool] | None] = [None] * group.size()
+            dist.all_gather_object(offers, (name, token, reserved), group=group)
+            if not all(ok for _, _, ok in offers):
+                return None
             mine = _map(path, wanted)
             mine[: len(token)] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
             dist.barrier(group=group)  # every segment exists, with its token, before anyone maps it
@@ -116,7 +135,7 @@ class SharedMemoryTransport:
             agreed: list[bool | None] = [None] * group.size()
             dist.all_gather_object(agreed, all(s is not None for s in segments), group=group)  # all have mapped
         finally:
-            with contextlib.suppress(FileNotFoundError):  # mapping it may have failed before creating it
+            with contextlib.suppress(FileNotFoundError):  # never created, when switched off or out of room
                 os.unlink(path)
         if not all(agreed):
             return None
@@ -133,7 +152,6 @@ class SharedMemoryTransport:
         if released is not None:  # everyone must have read what this slot held before we overwrite it
             released.wait()
             self._released[slot] = None
-        self.slots_used = max(self.slots_used, slot + 1)
         return slot
 
     def view(self, rank: int, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -15,6 +15,7 @@ runs ``lightning_fsdp/__init__.py`` first, which registers them, before any Trai
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 from pathlib import Path
 
@@ -68,8 +69,28 @@ def convert_main(argv: list[str]) -> None:
     parser.add_argument("dst", help="where to write the result (it appears only when complete)")
     parser.add_argument("--to", choices=FORMATS, default="full", help="the output format (default: %(default)s)")
     parser.add_argument("--strip-prefix", default="", help="drop this prefix from names (safetensors), e.g. 'model.'")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DST if it is a checkpoint of the --to form (anything else there is never replaced)",
+    )
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="allow SRC to unpickle more than plain data; only for files you wrote: unpickling can run code",
+    )
     options = parser.parse_args(argv)
-    convert(options.src, options.dst, options.to, strip_prefix=options.strip_prefix)
+    try:
+        convert(
+            options.src,
+            options.dst,
+            options.to,
+            strip_prefix=options.strip_prefix,
+            trust=options.trust_checkpoint,
+            overwrite=options.overwrite,
+        )
+    except (OSError, ValueError, pickle.UnpicklingError) as err:
+        parser.exit(2, f"lightning-fsdp convert: error: {err}\n")
     print(f"wrote {Path(options.dst).resolve()}")
 
 

@@ -16,6 +16,7 @@ The Trainer calls a strategy in a fixed order; this one fills the steps in as fo
 
 from __future__ import annotations
 
+import errno
 import importlib
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
@@ -42,17 +43,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fsdp.checkpoint.atomic import remove, write_file_atomically
-from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_optimizer_state, save_full_checkpoint
+from lightning_fsdp.checkpoint.atomic import check_destination, remove, tensor_bytes
+from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_checkpoint
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded
+from lightning_fsdp.checkpoint_io import atomic_checkpoint_io
 from lightning_fsdp.engine import MixedPrecision, apply_activation_checkpointing, fully_shard, no_sync
 from lightning_fsdp.engine.registry import unit_of
-from lightning_fsdp.engine.state_dict import (
-    full_state_dict,
-    load_full_state_dict,
-    sharded_optimizer_state_dict,
-    sharded_state_dict,
-)
+from lightning_fsdp.engine.state_dict import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict
 from lightning_fsdp.precision import FSDPPrecision, as_fsdp_precision
 from lightning_fsdp.summary import use_full_size_summaries
 
@@ -105,6 +102,9 @@ class FSDPStrategy(ParallelStrategy):
         sync_grads_each_micro_batch: with ``accumulate_grad_batches > 1``, reduce-scatter every micro-batch's
             gradients (the default: memory stays sharded) or, when False, keep the full unreduced gradients until the
             last micro-batch and reduce once (less communication, the gradient memory of an unsharded model).
+        trust_checkpoint: let checkpoints this strategy loads unpickle more than plain data (tensors, numbers,
+            strings, containers, paths). Only for files you wrote yourself: unpickling can run code from the file.
+            Off by default; ``trainer.fit(..., weights_only=False)`` does the same for one load.
     """
 
     strategy_name = "myfsdp"
@@ -131,6 +131,7 @@ class FSDPStrategy(ParallelStrategy):
         sync_module_states: bool = False,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         sync_grads_each_micro_batch: bool = True,
+        trust_checkpoint: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -168,6 +169,8 @@ class FSDPStrategy(ParallelStrategy):
         self.sync_module_states = _flag("sync_module_states", sync_module_states)
         self.sync_grads_each_micro_batch = _flag("sync_grads_each_micro_batch", sync_grads_each_micro_batch)
         self._hybrid_mesh: tuple[int, int] | DeviceMesh | None = None  # fixed in setup_environment
+        self.trust_checkpoint = _flag("trust_checkpoint", trust_checkpoint)
+        self._atomic_io: tuple[CheckpointIO, CheckpointIO] | None = None  # (the plugin, it made atomic)
 
     # ----- where and how many ---------------------------------------------------------------------------------------
 
@@ -448,8 +451,10 @@ class FSDPStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Write atomically: one file from rank 0, or one folder (DCP shards from every rank plus ``meta.pt``).
 
-        The full file streams straight to disk, bypassing Lightning's ``TorchCheckpointIO``, which would first
-        serialize the whole checkpoint into memory (a second copy on rank 0); any other ``checkpoint_io`` is used.
+        Either way the destination is checked first, on rank 0 and for every rank: a save replaces only a checkpoint
+        of the same form and refuses anything else (a user's folder, a foreign file) before a byte is written. The
+        full file goes through the ``checkpoint_io`` plugin made atomic (see ``checkpoint_io.py``; with
+        ``AsyncCheckpointIO`` it appears when the background write is complete).
         """
         if self.state_dict_type == "sharded":
             state = {"model": checkpoint.pop("state_dict")}
@@ -457,14 +462,21 @@ class FSDPStrategy(ParallelStrategy):
                 state[f"optimizer_{index}"] = optimizer_state
             save_sharded(filepath, state, checkpoint)
             return
-        if not self.is_global_zero:
-            return
-        if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None:
-            save_full_checkpoint(filepath, checkpoint)
-        else:
-            write_file_atomically(
-                filepath, lambda tmp: self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options)
-            )
+        refusal = None
+        if self.is_global_zero:
+            refusal = check_destination(Path(filepath), "full", tensor_bytes(checkpoint))
+        refusal = self.broadcast(refusal)
+        if refusal is not None:
+            raise OSError(errno.ENOSPC, refusal) if refusal.startswith("no space") else FileExistsError(refusal)
+        if self.is_global_zero:
+            self._atomic_checkpoint_io().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _atomic_checkpoint_io(self) -> CheckpointIO:
+        """``self.checkpoint_io`` made atomic, built once per plugin (an async one keeps its background thread)."""
+        io = self.checkpoint_io
+        if self._atomic_io is None or self._atomic_io[0] is not io:
+            self._atomic_io = (io, atomic_checkpoint_io(io))
+        return self._atomic_io[1]
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -476,27 +488,20 @@ class FSDPStrategy(ParallelStrategy):
         """Load model (and, when fitting, optimizer) states into the shards; return the rest of the checkpoint.
 
         A folder is a sharded checkpoint (any world size); a file is a full one -- ours, ddp's or a single
-        device's -- read memory-mapped, so each rank copies its rows without holding a second full copy.
+        device's. Everything is checked before anything is loaded, and nothing but plain data is unpickled unless
+        the user trusts the file: ``trainer.fit(..., weights_only=False)`` or ``FSDPStrategy(trust_checkpoint=True)``
+        (an explicit ``weights_only=True`` wins over the latter).
         """
         module = self._module()
         optimizers = self.optimizers if module.trainer.state.fn == TrainerFn.FITTING else []
-        strict = module.strict_loading
+        trust = weights_only is False or (weights_only is None and self.trust_checkpoint)
+        opt_in = "trainer.fit(..., weights_only=False) or FSDPStrategy(trust_checkpoint=True)"
         path = Path(checkpoint_path)
         if path.is_dir():
-            return load_sharded(path, module, optimizers, strict=strict)
-        if not path.is_file():
+            return load_sharded(path, module, optimizers, module.strict_loading, trust, opt_in)
+        if not path.exists():
             raise FileNotFoundError(f"no checkpoint at {path}; pass a .ckpt file or a sharded checkpoint folder.")
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
-        load_full_state_dict(module, checkpoint.pop("state_dict"), strict=strict)
-        saved_optimizers = checkpoint.pop("optimizer_states", [])
-        if optimizers and len(saved_optimizers) != len(optimizers):
-            raise ValueError(
-                f"the checkpoint at {path} holds {len(saved_optimizers)} optimizer state(s) but the model has "
-                f"{len(optimizers)} optimizer(s); resume with the configure_optimizers it was trained with."
-            )
-        for optimizer, state in zip(optimizers, saved_optimizers, strict=False):  # none when not fitting
-            load_full_optimizer_state(module, optimizer, state)
-        return checkpoint
+        return load_full_checkpoint(path, module, optimizers, module.strict_loading, trust, opt_in)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -517,6 +522,8 @@ class FSDPStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+        if self._atomic_io is not None:
+            self._atomic_io[1].teardown()  # waits for a background save to finish
         self.checkpoint_io.teardown()
 
     @classmethod

@@ -15,47 +15,66 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from rich.progress import track
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from lightning_fsdp.checkpoint.atomic import atomic_directory, write_file_atomically
+from lightning_fsdp.checkpoint.atomic import atomic_directory, tensor_bytes, write_file_atomically
+from lightning_fsdp.checkpoint.destination import refusal_to_replace
 from lightning_fsdp.checkpoint.full import save_full_checkpoint
+from lightning_fsdp.checkpoint.safe_load import dcp_load_planner, dcp_reader, load_torch_file
 from lightning_fsdp.checkpoint.safetensors_stream import write_safetensors
 from lightning_fsdp.checkpoint.sharded import META_FILE, is_sharded_checkpoint, read_checked_metadata
 
 FORMATS = ("full", "sharded", "safetensors")
+_OPT_IN = "lightning-fsdp convert --trust-checkpoint"
 
 
 def convert(
-    src: str | os.PathLike, dst: str | os.PathLike, to: str, strip_prefix: str = "", quiet: bool = False
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    to: str,
+    strip_prefix: str = "",
+    quiet: bool = False,
+    trust: bool = False,
+    overwrite: bool = False,
 ) -> None:
-    """Convert the checkpoint at ``src`` into ``to`` at ``dst``; ``strip_prefix`` drops a name prefix (safetensors)."""
+    """Convert the checkpoint at ``src`` into ``to`` at ``dst``; ``strip_prefix`` drops a name prefix (safetensors).
+
+    ``dst`` must not exist, unless ``overwrite`` and it is a checkpoint of the form ``to`` (which is then replaced
+    atomically); nothing else is ever replaced. ``trust`` allows unpickling more than plain data from ``src``.
+    """
     src, dst = Path(src), Path(dst)
     if to not in FORMATS:
         raise ValueError(f"--to {to!r} is not a format; use one of {', '.join(FORMATS)}.")
     if not src.exists():
         raise FileNotFoundError(f"no checkpoint at {src}.")
+    if dst.exists() or dst.is_symlink():
+        refusal = refusal_to_replace(dst, to) if overwrite else None
+        if not overwrite:
+            refusal = (
+                f"{dst} already exists; pass --overwrite to replace a {to} checkpoint there, or choose another path."
+            )
+        if refusal is not None:
+            raise FileExistsError(refusal)
     sharded = is_sharded_checkpoint(src)
     if src.is_dir() and not sharded:
-        read_checked_metadata(src)  # raises the message that says what is missing
+        read_checked_metadata(src, trust, _OPT_IN)  # raises the message that says what is missing
     show = (lambda names: names) if quiet else (lambda names: track(names, description=f"writing {dst.name}"))
     if to == "safetensors":
-        _to_safetensors(src, dst, sharded, strip_prefix, show)
+        _to_safetensors(src, dst, sharded, strip_prefix, show, trust)
     elif to == "full":
-        checkpoint = (
-            _read_sharded(src) if sharded else torch.load(src, map_location="cpu", mmap=True, weights_only=False)
-        )
+        checkpoint = _read_sharded(src, trust) if sharded else load_torch_file(src, trust, _OPT_IN)
         save_full_checkpoint(dst, checkpoint)
     else:
         if sharded:
             raise ValueError(f"{src} is already a sharded checkpoint; copy the folder, or convert it --to full.")
-        _full_to_sharded(torch.load(src, map_location="cpu", mmap=True, weights_only=False), dst)
+        _full_to_sharded(load_torch_file(src, trust, _OPT_IN), src, dst)
 
 
-def _to_safetensors(src: Path, dst: Path, sharded: bool, strip_prefix: str, show: Any) -> None:
+def _to_safetensors(src: Path, dst: Path, sharded: bool, strip_prefix: str, show: Any, trust: bool) -> None:
     if sharded:
-        reader = FileSystemReader(src)
-        items = reader.read_metadata().state_dict_metadata
+        reader = dcp_reader(src, trust, _OPT_IN)
+        items = read_checked_metadata(src, trust, _OPT_IN).state_dict_metadata
         sources = {
             key[len("model.") :]: (item.properties.dtype, tuple(item.size))
             for key, item in items.items()
@@ -65,30 +84,48 @@ def _to_safetensors(src: Path, dst: Path, sharded: bool, strip_prefix: str, show
         def load(name: str) -> torch.Tensor:
             dtype, shape = sources[name]
             tensor = torch.empty(shape, dtype=dtype)
-            dcp.load({f"model.{name}": tensor}, storage_reader=reader, no_dist=True)
+            dcp.load(
+                {f"model.{name}": tensor}, storage_reader=reader, planner=dcp_load_planner(trust, _OPT_IN), no_dist=True
+            )
             return tensor
 
     else:
-        state = torch.load(src, map_location="cpu", mmap=True, weights_only=False)["state_dict"]
+        state = _state_dict_of(load_torch_file(src, trust, _OPT_IN), src)
         sources = {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
         load = state.__getitem__
     renamed = {(n[len(strip_prefix) :] if strip_prefix and n.startswith(strip_prefix) else n): n for n in sources}
     specs = [(new, *sources[old]) for new, old in renamed.items()]
-    write_file_atomically(dst, lambda tmp: write_safetensors(tmp, specs, lambda new: load(renamed[new]), show))
+    write_file_atomically(
+        dst,
+        lambda tmp: write_safetensors(tmp, specs, lambda new: load(renamed[new]), show),
+        form="safetensors",
+        expected_bytes=sum(torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in specs),
+    )
 
 
-def _read_sharded(src: Path) -> dict[str, Any]:
+def _state_dict_of(checkpoint: Any, src: Path) -> dict[str, torch.Tensor]:
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise ValueError(f"{src} is not a Lightning checkpoint: it has no 'state_dict'.")
+    return checkpoint["state_dict"]
+
+
+def _read_sharded(src: Path, trust: bool) -> dict[str, Any]:
     """A sharded folder as a Lightning checkpoint dict: ``state_dict``, ``optimizer_states`` and ``meta.pt``."""
-    metadata = read_checked_metadata(src)
+    metadata = read_checked_metadata(src, trust, _OPT_IN)
+    checkpoint = load_torch_file(src / META_FILE, trust, _OPT_IN)
     flat: dict[str, Any] = {}
     for key, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
             flat[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
         elif isinstance(item, BytesStorageMetadata):
             flat[key] = None
-    dcp.load(flat, storage_reader=FileSystemReader(src), no_dist=True)
+    dcp.load(
+        flat,
+        storage_reader=dcp_reader(src, trust, _OPT_IN),
+        planner=dcp_load_planner(trust, _OPT_IN),
+        no_dist=True,
+    )
     nested = _unflatten(flat, metadata.planner_data)
-    checkpoint = torch.load(src / META_FILE, map_location="cpu", weights_only=False)
     checkpoint["state_dict"] = nested["model"]
     count = len([key for key in nested if key.startswith("optimizer_")])
     checkpoint["optimizer_states"] = [_positional_optimizer_state(nested[f"optimizer_{i}"]) for i in range(count)]
@@ -142,9 +179,10 @@ def _running_offsets(sizes: Iterable[int]) -> list[int]:
     return offsets
 
 
-def _full_to_sharded(checkpoint: dict[str, Any], dst: Path) -> None:
+def _full_to_sharded(checkpoint: dict[str, Any], src: Path, dst: Path) -> None:
     """A full checkpoint as a sharded folder any world size can load (written by this one process)."""
-    state: dict[str, Any] = {"model": dict(checkpoint.pop("state_dict"))}
+    state: dict[str, Any] = {"model": dict(_state_dict_of(checkpoint, src))}
+    del checkpoint["state_dict"]
     for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
         groups = optimizer_state["param_groups"]
         if any("param_names" not in group for group in groups):
@@ -160,6 +198,6 @@ def _full_to_sharded(checkpoint: dict[str, Any], dst: Path) -> None:
                 for g in groups
             ],
         }
-    with atomic_directory(dst) as tmp:
+    with atomic_directory(dst, expected_bytes=tensor_bytes(state)) as tmp:
         dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
         torch.save(checkpoint, tmp / META_FILE)

@@ -14,6 +14,7 @@ rank 0's peak (measured in benchmarks/bench_checkpoint.py).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,15 +23,54 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint.atomic import write_file_atomically
+from lightning_fsdp.checkpoint.atomic import tensor_bytes, write_file_atomically
+from lightning_fsdp.checkpoint.optimizer_check import check_optimizer_fits, optimizers_restored_on_error
+from lightning_fsdp.checkpoint.safe_load import load_torch_file
 from lightning_fsdp.engine.param import FSDPParam
 from lightning_fsdp.engine.registry import fsdp_param_of
-from lightning_fsdp.engine.state_dict import init_optimizer_state, parameter_names, sharded_optimizer_state_dict
+from lightning_fsdp.engine.state_dict import (
+    check_keys_and_shapes,
+    init_optimizer_state,
+    load_full_state_dict,
+    parameter_names,
+    sharded_optimizer_state_dict,
+)
 
 
 def save_full_checkpoint(path: str | os.PathLike, checkpoint: dict[str, Any]) -> None:
     """Write ``checkpoint`` to ``path`` atomically, streaming it to disk: no second copy in memory (one process)."""
-    write_file_atomically(path, lambda tmp: torch.save(checkpoint, tmp))
+    write_file_atomically(path, lambda tmp: torch.save(checkpoint, tmp), expected_bytes=tensor_bytes(checkpoint))
+
+
+def load_full_checkpoint(
+    path: str | os.PathLike,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool = True,
+    trust: bool = False,
+    opt_in: str = "trust=True",
+) -> dict[str, Any]:
+    """Load a full checkpoint file (ours, ddp's, one device's) into the sharded ``module`` and ``optimizers``; return
+    the rest of it. Everything is checked -- keys, shapes, optimizer count, type, grouping, state shapes -- before
+    the first tensor changes. Read memory-mapped: each rank copies its rows without a second full copy.
+    """
+    checkpoint = load_torch_file(path, trust, opt_in)
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
+        raise ValueError(f"{path} is not a Lightning checkpoint: it has no 'state_dict'; pass a .ckpt a Trainer saved.")
+    check_keys_and_shapes(module.state_dict(keep_vars=True), checkpoint["state_dict"], strict, full_shapes=True)
+    saved_optimizers = checkpoint.pop("optimizer_states", [])
+    if optimizers and len(saved_optimizers) != len(optimizers):
+        raise ValueError(
+            f"the checkpoint at {path} holds {len(saved_optimizers)} optimizer state(s) but the model has "
+            f"{len(optimizers)} optimizer(s); resume with the configure_optimizers it was trained with."
+        )
+    with optimizers_restored_on_error(optimizers):
+        for optimizer, state in zip(optimizers, saved_optimizers, strict=False):  # none when not fitting
+            check_full_optimizer_state(module, optimizer, state, path)
+    load_full_state_dict(module, checkpoint.pop("state_dict"), strict=strict)
+    for optimizer, state in zip(optimizers, saved_optimizers, strict=False):
+        load_full_optimizer_state(module, optimizer, state)
+    return checkpoint
 
 
 def full_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
@@ -74,28 +114,37 @@ def _full_value(value: Any, param: Tensor) -> Any:
     return value
 
 
-def load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, saved: dict[str, Any]) -> None:
-    """Load a full (positional) optimizer state dict: every rank copies its rows of each per-row tensor into the
-    optimizer's own state tensors, so the load allocates no second copy of the state. Every shape is checked
-    before anything is overwritten."""
-    current = [len(group["params"]) for group in optimizer.param_groups]
-    found = [len(group["params"]) for group in saved["param_groups"]]
-    if current != found:
-        raise ValueError(
-            f"the checkpoint's optimizer has parameter groups of sizes {found} but this optimizer has {current}; "
-            "resume with the configure_optimizers the checkpoint was trained with."
-        )
-    init_optimizer_state(optimizer)  # its own state tells per-row tensors from the rest, by shape
+def check_full_optimizer_state(module: nn.Module, optimizer: Optimizer, saved: dict[str, Any], source: object) -> None:
+    """Refuse a full (positional) optimizer state that does not fit ``optimizer``: grouping, type, state keys, shapes.
+
+    Initialises the optimizer's state: call it inside ``optimizers_restored_on_error``.
+    """
+    names = parameter_names(module)
     params = [param for group in optimizer.param_groups for param in group["params"]]
-    entries = [
-        (index, key, value, params[int(index)], optimizer.state.get(params[int(index)], {}).get(key))
-        for index, param_state in saved["state"].items()
-        for key, value in param_state.items()
-    ]
-    for _, _, value, param, template in entries:
+    saved_state = saved.get("state", {})
+    beyond = sorted(int(index) for index in saved_state if not 0 <= int(index) < len(params))
+    if beyond:
+        raise ValueError(
+            f"the checkpoint at {source} has optimizer state for parameter positions {beyond[:5]} but this optimizer "
+            f"has {len(params)} parameters; resume with the configure_optimizers the checkpoint was trained with."
+        )
+    check_optimizer_fits(
+        optimizer,
+        saved.get("param_groups", []),
+        {int(index): set(state) for index, state in saved_state.items()},
+        [names.get(id(param), f"parameter {i}") for i, param in enumerate(params)],
+        source,
+    )
+    for _, _, value, param, template in _entries(optimizer, saved):
         _per_row(value, param, template)  # raises on a shape mismatch
+
+
+def load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, saved: dict[str, Any]) -> None:
+    """Load a full (positional) optimizer state dict that ``check_full_optimizer_state`` accepted: every rank copies
+    its rows of each per-row tensor into the optimizer's own state tensors, so the load allocates no second copy."""
+    init_optimizer_state(optimizer)  # its own state tells per-row tensors from the rest, by shape
     state: dict[Any, dict[str, Any]] = {}
-    for index, key, value, param, template in entries:
+    for index, key, value, param, template in _entries(optimizer, saved):
         state.setdefault(index, {})[key] = local_rows(value, param, template)
     # ``param_names`` are the checkpoint's record for ``convert``. Torch would make them the live groups' names,
     # after which ``add_param_group`` refuses any group without names; an optimizer built with names keeps them.
@@ -104,6 +153,16 @@ def load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, saved: di
         for saved_group, group in zip(saved["param_groups"], optimizer.param_groups, strict=True)
     ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _entries(optimizer: Optimizer, saved: dict[str, Any]) -> list[tuple[Any, str, Any, Tensor, Any]]:
+    """(position, key, saved value, parameter, the optimizer's own value for that key) for every saved state entry."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    return [
+        (index, key, value, params[int(index)], optimizer.state.get(params[int(index)], {}).get(key))
+        for index, param_state in saved.get("state", {}).items()
+        for key, value in param_state.items()
+    ]
 
 
 def local_rows(value: Any, param: Tensor, template: Any) -> Any:

@@ -2,8 +2,11 @@
 
 The model's and the optimizers' sharded state dicts alias the live shards (see ``engine/state_dict.py``), so a save
 copies nothing and a load writes every rank's rows straight into place, resharding from any world size. Before
-anything is loaded the folder is checked against the model: missing or truncated files, other keys or shapes, a
-different number of optimizers -- each refused with one sentence that names it.
+anything is loaded the whole folder is checked against the model -- ``meta.pt`` read, every file the metadata names
+present, long enough and holding a record where the metadata says (so another checkpoint's ``.distcp`` files are
+caught), the keys and shapes, the number of optimizers and each one's state keys -- and a refusal names what is
+wrong while the model and optimizers are as they were. Nothing is unpickled beyond plain data unless the caller
+trusts the folder (see ``safe_load.py``).
 """
 
 from __future__ import annotations
@@ -17,15 +20,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint.atomic import atomic_directory
+from lightning_fsdp.checkpoint.atomic import atomic_directory, tensor_bytes
+from lightning_fsdp.checkpoint.optimizer_check import check_optimizer_fits, optimizers_restored_on_error
+from lightning_fsdp.checkpoint.safe_load import dcp_load_planner, dcp_reader, load_torch_file, read_dcp_metadata
 from lightning_fsdp.engine.registry import fsdp_param_of
 from lightning_fsdp.engine.state_dict import (
     apply_optimizer_hyperparameters,
-    init_optimizer_state,
     parameter_names,
     sharded_optimizer_state_dict,
     sharded_state_dict,
@@ -49,18 +52,29 @@ def sharded_checkpoint_state(module: nn.Module, optimizers: Sequence[Optimizer])
 
 def save_sharded(path: str | os.PathLike, state: dict[str, Any], meta: dict[str, Any]) -> None:
     """Write the folder atomically: ``state`` (see ``sharded_checkpoint_state``) in DCP format, ``meta.pt``."""
-    with atomic_directory(path) as tmp:
+    with atomic_directory(path, expected_bytes=tensor_bytes(state)) as tmp:
         dcp.save(state, checkpoint_id=tmp)
         if not dist.is_initialized() or dist.get_rank() == 0:
             torch.save(meta, tmp / META_FILE)
 
 
 def load_sharded(
-    path: str | os.PathLike, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool = True
+    path: str | os.PathLike,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool = True,
+    trust: bool = False,
+    opt_in: str = "trust=True",
 ) -> dict[str, Any]:
-    """Load model and optimizer states into place after checking the folder; returns ``meta.pt``'s contents."""
+    """Load model and optimizer states into place after checking the whole folder; returns ``meta.pt``'s contents.
+
+    ``trust`` allows unpickling more than plain data (``opt_in`` is how the caller's user says so, for messages).
+    """
     path = Path(path)
-    metadata = read_checked_metadata(path)
+    metadata = read_checked_metadata(path, trust, opt_in)
+    meta = load_torch_file(path / META_FILE, trust, opt_in)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path / META_FILE} is not a checkpoint's meta.pt (it holds a {type(meta).__name__}).")
     check_model_keys(metadata, module, strict)
     saved_optimizers = sorted(
         {key.split(".")[0] for key in metadata.state_dict_metadata if key.startswith("optimizer_")}
@@ -73,20 +87,25 @@ def load_sharded(
     target: dict[str, Any] = {"model": sharded_state_dict(module)}
     if not strict:
         target["model"] = {k: v for k, v in target["model"].items() if f"model.{k}" in metadata.state_dict_metadata}
-    for index, optimizer in enumerate(optimizers):
-        init_optimizer_state(optimizer)
-        target[f"optimizer_{index}"] = _recorded_hyperparameters_only(
-            sharded_optimizer_state_dict(module, optimizer), metadata, index
-        )
-        _check_optimizer_names(metadata, index, module)
-    dcp.load(target, checkpoint_id=path)
+    with optimizers_restored_on_error(optimizers):
+        for index, optimizer in enumerate(optimizers):
+            _check_optimizer_names(metadata, index, module)
+            names = [parameter_names(module)[id(p)] for group in optimizer.param_groups for p in group["params"]]
+            saved_keys = _saved_state_keys(metadata, index)
+            saved_groups = _saved_param_groups(path, metadata, index, trust, opt_in)
+            positional_keys = {i: saved_keys[name] for i, name in enumerate(names) if name in saved_keys}
+            check_optimizer_fits(optimizer, saved_groups, positional_keys, names, path)
+            target[f"optimizer_{index}"] = _recorded_hyperparameters_only(
+                sharded_optimizer_state_dict(module, optimizer), metadata, index
+            )
+    dcp.load(target, storage_reader=dcp_reader(path, trust, opt_in), planner=dcp_load_planner(trust, opt_in))
     for index, optimizer in enumerate(optimizers):
         apply_optimizer_hyperparameters(optimizer, target[f"optimizer_{index}"]["param_groups"])
-    return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    return meta
 
 
-def read_checked_metadata(path: Path) -> Metadata:
-    """The folder's DCP metadata, after checking that every file it names is there and long enough."""
+def read_checked_metadata(path: Path, trust: bool = False, opt_in: str = "trust=True") -> Metadata:
+    """The folder's DCP metadata, after checking that every record it names is there, whole and where it says."""
     if not path.is_dir():
         raise FileNotFoundError(f"no sharded checkpoint folder at {path}; pass the folder a sharded save wrote.")
     for required in (DCP_METADATA_FILE, META_FILE):
@@ -95,20 +114,47 @@ def read_checked_metadata(path: Path) -> Metadata:
                 f"the sharded checkpoint at {path} is incomplete: {required} is missing (an interrupted or partial "
                 "copy?); resume from another checkpoint."
             )
-    metadata = FileSystemReader(path).read_metadata()
-    needed: dict[str, int] = {}
+    metadata = read_dcp_metadata(path, trust, opt_in)
+    records: dict[str, list[tuple[int, int]]] = {}
     for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for relative, size in sorted(needed.items()):
+        if not getattr(info, "transform_descriptors", None):  # compressed records have no fixed framing
+            records.setdefault(info.relative_path, []).append((info.offset, info.length))
+    for relative in sorted({info.relative_path for info in (metadata.storage_data or {}).values()}):
         file = path / relative
         if not file.is_file():
             raise ValueError(f"the sharded checkpoint at {path} is incomplete: shard file {relative} is missing.")
+        spans = [
+            (info.offset, info.length) for info in metadata.storage_data.values() if info.relative_path == relative
+        ]
+        size = max(offset + length for offset, length in spans)
         if file.stat().st_size < size:
             raise ValueError(
                 f"the sharded checkpoint at {path} is truncated: {relative} has {file.stat().st_size} bytes of the "
                 f"{size} its metadata records; resume from another checkpoint."
             )
+        _check_record_framing(file, records.get(relative, []), path)
     return metadata
+
+
+# Every record of a DCP shard file is one ``torch.save`` archive (a zip): it starts with a local file header and ends
+# with the end-of-central-directory record. Checking both for every record the metadata lists costs two small reads
+# per record and catches shard files that belong to another checkpoint before a byte of them is loaded.
+_ZIP_START, _ZIP_END, _ZIP_END_SIZE = b"PK\x03\x04", b"PK\x05\x06", 22
+
+
+def _check_record_framing(file: Path, spans: list[tuple[int, int]], folder: Path) -> None:
+    with open(file, "rb") as handle:
+        for offset, length in sorted(spans):
+            handle.seek(offset)
+            start = handle.read(4)
+            handle.seek(offset + length - _ZIP_END_SIZE)
+            end = handle.read(4)
+            if start != _ZIP_START or end != _ZIP_END:
+                raise ValueError(
+                    f"the sharded checkpoint at {folder} does not fit together: {file.name} holds no record at byte "
+                    f"{offset} where its .metadata says one is (shard files of another checkpoint?); resume from "
+                    "another checkpoint."
+                )
 
 
 def check_model_keys(metadata: Metadata, module: nn.Module, strict: bool) -> None:
@@ -164,3 +210,39 @@ def _check_optimizer_names(metadata: Metadata, index: int, module: nn.Module) ->
             f"optimizer {index} in the checkpoint has state for parameters this model does not have ({unknown[:5]}); "
             "load a checkpoint of the same model."
         )
+
+
+def _saved_state_keys(metadata: Metadata, index: int) -> dict[str, set[str]]:
+    """Per parameter name, the optimizer state keys optimizer ``index`` recorded (``exp_avg``, ``step``, ...)."""
+    prefix = f"optimizer_{index}.state."
+    keys: dict[str, set[str]] = {}
+    for key in metadata.state_dict_metadata:
+        if key.startswith(prefix):
+            name, state_key = key[len(prefix) :].rsplit(".", 1)
+            keys.setdefault(name, set()).add(state_key)
+    return keys
+
+
+def _saved_param_groups(path: Path, metadata: Metadata, index: int, trust: bool, opt_in: str) -> list[dict[str, Any]]:
+    """Optimizer ``index``'s parameter groups as recorded: hyperparameter names (values not read) and ``params``.
+
+    The parameter names of a group are one pickled list, not visible in the metadata: read just those (a collective).
+    """
+    prefix = f"optimizer_{index}.param_groups."
+    groups: dict[int, dict[str, Any]] = {}
+    for key in metadata.state_dict_metadata:
+        if key.startswith(prefix):
+            number, name = key[len(prefix) :].split(".", 1)
+            groups.setdefault(int(number), {})[name.split(".")[0]] = None
+    params = {
+        f"{prefix}{number}.params": None
+        for number in groups
+        if isinstance(metadata.state_dict_metadata.get(f"{prefix}{number}.params"), BytesStorageMetadata)
+    }
+    if params:
+        dcp.load(params, storage_reader=dcp_reader(path, trust, opt_in), planner=dcp_load_planner(trust, opt_in))
+    for key, names in params.items():
+        groups[int(key[len(prefix) :].split(".")[0])]["params"] = list(names or [])
+    for group in groups.values():
+        group.setdefault("params", [])
+    return [groups[number] for number in sorted(groups)]

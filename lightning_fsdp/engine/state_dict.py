@@ -1,7 +1,7 @@
 """State dicts of a sharded model in two forms, with the original names and shapes.
 
-- full: plain tensors, gathered unit by unit straight to CPU on rank 0. Rank 0 holds the full model in CPU memory
-  plus one gathered unit on the device; the other ranks hold nothing beyond a transient unit.
+- full: plain tensors, gathered unit by unit from the (fp32 master) shards straight to CPU on rank 0. Rank 0 holds
+  the full model in CPU memory plus one gathered unit on the device; the other ranks hold nothing beyond one unit.
 - sharded: every sharded parameter as a ``DTensor`` with ``Shard(0)`` over its shard group (``Replicate`` across
   HYBRID_SHARD's replicas) that *aliases* the local shard. ``torch.distributed.checkpoint`` saves that without a
   copy and, on load, writes every rank's rows straight into the shards, resharding from whatever world size
@@ -28,26 +28,25 @@ from lightning_fsdp.engine.param import FSDPParam
 from lightning_fsdp.engine.registry import fsdp_param_of, units_under
 from lightning_fsdp.engine.unit import TrainingState
 
+# torch 2.13 renamed the flat all-gather; older releases only have the old name.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, Tensor]:
     """``module.state_dict()`` with full tensors on the CPU: on rank 0 only (``{}`` elsewhere) unless told otherwise.
 
-    A collective: call it on every rank.
+    Sharded parameters are gathered from the shards themselves -- the fp32 master weights the optimizer steps --
+    never from the forward's unsharded tensors, which mixed precision keeps in ``param_dtype``: a checkpoint holds
+    exactly the values training will continue from. A collective: call it on every rank.
     """
     _check_idle(module, "full_state_dict")
     keep = not rank0_only or dist.get_rank() == 0
     gathered: dict[int, Tensor] = {}
     with torch.no_grad():
         for unit in units_under(module):
-            if not unit.params:
-                continue
-            unit.unshard()
-            unit.wait_for_unshard()
-            if keep:
-                for fsdp_param in unit.params:
-                    full = fsdp_param.unsharded.detach().to(fsdp_param.sharded.dtype)
+            for fsdp_param, full in _gather_masters(unit.params):
+                if keep:
                     gathered[id(fsdp_param)] = full.to("cpu", copy=True)
-            unit.reshard()
     if not keep:
         return {}
     state: dict[str, Tensor] = {}
@@ -55,6 +54,33 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, Ten
         fsdp_param = fsdp_param_of(value)
         state[name] = gathered[id(fsdp_param)] if fsdp_param is not None else value.detach().to("cpu", copy=True)
     return state
+
+
+def _gather_masters(params: list[FSDPParam]) -> list[tuple[FSDPParam, Tensor]]:
+    """Every parameter's full tensor in its shards' own dtype: one all-gather of the unit's packed shards.
+
+    The shards are packed as the forward's all-gather packs them (padded, rank-major), so parameter ``i``'s rows
+    from rank ``r`` lie at row ``r`` of the output viewed as (world_size, packed numel). A parameter kept whole
+    (no shard group, or a group of one) is its shard.
+    """
+    whole = [(p, p.sharded.detach().view(p.shape)) for p in params if p.group is None or p.layout.world_size == 1]
+    by_dtype: dict[torch.dtype, list[FSDPParam]] = {}
+    for p in params:
+        if p.group is not None and p.layout.world_size > 1:
+            by_dtype.setdefault(p.sharded.dtype, []).append(p)
+    gathered = []
+    for sharded in by_dtype.values():
+        send = torch.cat([p.padded_shard.reshape(-1) for p in sharded])
+        world_size = sharded[0].layout.world_size
+        output = send.new_empty(world_size * send.numel())
+        _all_gather_flat(output, send, group=sharded[0].group)
+        by_rank = output.view(world_size, -1)
+        offset = 0
+        for p in sharded:
+            numel = p.layout.shard_numel
+            gathered.append((p, by_rank[:, offset : offset + numel].reshape(-1)[: p.shape.numel()].view(p.shape)))
+            offset += numel
+    return whole + gathered
 
 
 def sharded_state_dict(module: nn.Module) -> dict[str, Tensor]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import inspect
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -32,6 +33,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -494,6 +496,7 @@ class FSDPStrategy(ParallelStrategy):
         """
         module = self._module()
         optimizers = self.optimizers if module.trainer.state.fn == TrainerFn.FITTING else []
+        weights_only = weights_only if weights_only is not None else _weights_only_given_to_the_trainer()
         trust = weights_only is False or (weights_only is None and self.trust_checkpoint)
         opt_in = "trainer.fit(..., weights_only=False) or FSDPStrategy(trust_checkpoint=True)"
         path = Path(checkpoint_path)
@@ -546,6 +549,21 @@ class FSDPStrategy(ParallelStrategy):
     def _module(self) -> pl.LightningModule:
         assert self.lightning_module is not None
         return self.lightning_module
+
+
+def _weights_only_given_to_the_trainer() -> bool | None:
+    """The ``weights_only`` the user passed to ``trainer.fit/validate/test/predict``, which Lightning 2.6 drops.
+
+    For a strategy that restores after setup (ours: there is nothing to load into before the model is sharded),
+    ``Trainer._run`` calls ``_restore_modules_and_callbacks(ckpt_path)`` without it, so ``load_checkpoint`` always
+    sees None. ``_run`` still holds it as a local: read it from that frame (None when not found, the safe default).
+    """
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "_run" and isinstance(frame.f_locals.get("self"), Trainer):
+            return frame.f_locals.get("weights_only")
+        frame = frame.f_back
+    return None
 
 
 def resolve_policy(policy: Policy, argument: str) -> WrapPolicy | set[type[nn.Module]] | None:

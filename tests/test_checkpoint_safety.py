@@ -33,6 +33,7 @@ from lightning_fsdp.checkpoint.safe_load import UntrustedCheckpointError
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded, sharded_checkpoint_state
 from lightning_fsdp.cli import main as cli_main
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
+from lightning_fsdp.demos.lit_gpt import LitGPT
 from lightning_fsdp.engine.registry import fsdp_param_of
 from lightning_fsdp.engine.state_dict import full_state_dict
 from tests.distributed import run_distributed
@@ -359,3 +360,14 @@ def test_a_full_disk_is_named_and_leaves_nothing_behind(small_disk: Path) -> Non
     assert not list(small_disk.iterdir())
     run_distributed(_sharded_save_on_a_full_disk, 2, str(small_disk))
     assert not list(small_disk.iterdir())
+
+
+def test_the_demos_pretrained_weights_run_no_code(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    torch.save({"state_dict": {}, "payload": Hostile(str(marker))}, tmp_path / "evil.ckpt")
+    with pytest.raises(UntrustedCheckpointError, match=r"evil.ckpt: it contains posix.system"):
+        LitGPT(pretrained=str(tmp_path / "evil.ckpt")).configure_model()
+    (tmp_path / "notes.ckpt").write_text("not weights")
+    with pytest.raises(ValueError, match=r"notes.ckpt is not a checkpoint"):
+        LitGPT(pretrained=str(tmp_path / "notes.ckpt")).configure_model()
+    assert not marker.exists()

@@ -29,6 +29,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 from typing_extensions import override
 
+from lightning_fsdp.checkpoint.safe_load import load_torch_file
 from lightning_fsdp.demos.corpus import VOCAB_SIZE
 from lightning_fsdp.demos.gpt import GPT, GPTConfig
 
@@ -126,7 +127,15 @@ class LitGPT(LightningModule):
                 f"pretrained={str(path)!r} is a folder (a sharded checkpoint); fine-tuning starts from a full "
                 "checkpoint file: save the pre-training run with FSDPStrategy(state_dict_type='full')."
             )
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        # Plain data only: a pretrained file usually comes from somewhere else, and unpickling can run its code.
+        checkpoint = load_torch_file(
+            path,
+            trust=False,
+            opt_in="torch.load(weights_only=False) yourself, then save just its state_dict",
+            mmap=False,
+        )
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            raise ValueError(f"pretrained={str(path)!r} is not a Lightning checkpoint: it has no 'state_dict'.")
         weights = {name.removeprefix("model."): tensor for name, tensor in checkpoint["state_dict"].items()}
         # Built on the CPU whatever the init context says: the weights are read into host memory anyway, and a
         # model on the meta device could only take them by assignment, which would untie lm_head from wte.

@@ -2,7 +2,7 @@
 
     lightning-fsdp fit --config configs/demo.yaml                 # also: validate | test | predict
     lightning-fsdp fit --config configs/demo.yaml --model.n_layer 2 --trainer.max_steps 50
-    lightning-fsdp convert SRC DST --to full|sharded|safetensors  # offline, one process, no model code
+    lightning-fsdp convert SRC DST --to full|sharded|safetensors|hf  # offline, one process, no model code
     lightning-fsdp estimate --params 1.3e9 --world-size 8         # per-rank memory of each sharding strategy
 
 Model and data are chosen by ``class_path`` (any LightningModule / LightningDataModule); without one they are
@@ -24,6 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from lightning_fsdp.checkpoint.convert import FORMATS, convert
+from lightning_fsdp.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES
 from lightning_fsdp.estimate import main as estimate_main
 from lightning_fsdp.process_exit import exit_after_distributed_run
 
@@ -63,12 +64,24 @@ def convert_main(argv: list[str]) -> None:
     """``lightning-fsdp convert``: argparse rather than LightningCLI, since it builds no Trainer."""
     parser = argparse.ArgumentParser(
         prog="lightning-fsdp convert",
-        description="Convert a checkpoint between a sharded folder, one full .ckpt and safetensors weights.",
+        description="Convert a checkpoint between a sharded folder, one full .ckpt, safetensors weights and a Hugging "
+        "Face weights folder (--to hf, which from_pretrained reads).",
     )
     parser.add_argument("src", help="a sharded checkpoint folder or a full .ckpt file")
     parser.add_argument("dst", help="where to write the result (it appears only when complete)")
     parser.add_argument("--to", choices=FORMATS, default="full", help="the output format (default: %(default)s)")
-    parser.add_argument("--strip-prefix", default="", help="drop this prefix from names (safetensors), e.g. 'model.'")
+    parser.add_argument(
+        "--strip-prefix",
+        default="",
+        help="drop this prefix from names (safetensors, hf), e.g. 'model.'; hf strips the shared first part by default",
+    )
+    parser.add_argument("--config", default=None, help="hf: the model's config.json, copied into DST")
+    parser.add_argument(
+        "--max-shard-size",
+        type=float,
+        default=DEFAULT_MAX_SHARD_BYTES / 1e9,
+        help="hf: split the weights into files of at most this many GB (default: %(default)g, as transformers)",
+    )
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -88,6 +101,8 @@ def convert_main(argv: list[str]) -> None:
             strip_prefix=options.strip_prefix,
             trust=options.trust_checkpoint,
             overwrite=options.overwrite,
+            config=options.config,
+            max_shard_bytes=int(options.max_shard_size * 1e9),
         )
     except (OSError, ValueError, pickle.UnpicklingError) as err:
         parser.exit(2, f"lightning-fsdp convert: error: {err}\n")

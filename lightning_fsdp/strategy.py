@@ -46,7 +46,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.checkpoint.atomic import check_destination, remove, tensor_bytes
-from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_checkpoint
+from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_checkpoint, mark_trainable_only
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded
 from lightning_fsdp.checkpoint_io import atomic_checkpoint_io
 from lightning_fsdp.engine import MixedPrecision, apply_activation_checkpointing, fully_shard, no_sync
@@ -107,6 +107,9 @@ class FSDPStrategy(ParallelStrategy):
         trust_checkpoint: let checkpoints this strategy loads unpickle more than plain data (tensors, numbers,
             strings, containers, paths). Only for files you wrote yourself: unpickling can run code from the file.
             Off by default; ``trainer.fit(..., weights_only=False)`` does the same for one load.
+        save_trainable_only: checkpoints hold only the parameters that require gradients (and, as always, the
+            optimizer state, which only they have): an adapter's few MB instead of the whole model. Resuming from one
+            leaves the other parameters as the model has them -- build it with its base weights first.
     """
 
     strategy_name = "myfsdp"
@@ -134,6 +137,7 @@ class FSDPStrategy(ParallelStrategy):
         param_init_fn: Callable[[nn.Module], None] | None = None,
         sync_grads_each_micro_batch: bool = True,
         trust_checkpoint: bool = False,
+        save_trainable_only: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -172,6 +176,7 @@ class FSDPStrategy(ParallelStrategy):
         self.sync_grads_each_micro_batch = _flag("sync_grads_each_micro_batch", sync_grads_each_micro_batch)
         self._hybrid_mesh: tuple[int, int] | DeviceMesh | None = None  # fixed in setup_environment
         self.trust_checkpoint = _flag("trust_checkpoint", trust_checkpoint)
+        self.save_trainable_only = _flag("save_trainable_only", save_trainable_only)
         self._atomic_io: tuple[CheckpointIO, CheckpointIO] | None = None  # (the plugin, it made atomic)
 
     # ----- where and how many ---------------------------------------------------------------------------------------
@@ -438,10 +443,14 @@ class FSDPStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full tensors gathered unit by unit to rank 0's CPU ({} elsewhere), or DTensors aliasing the shards."""
-        if self.state_dict_type == "sharded":
-            return sharded_state_dict(self._module())
-        return full_state_dict(self._module())
+        """Full tensors gathered unit by unit to rank 0's CPU ({} elsewhere), or DTensors aliasing the shards; with
+        ``save_trainable_only``, only the parameters that require gradients."""
+        module = self._module()
+        state = sharded_state_dict(module) if self.state_dict_type == "sharded" else full_state_dict(module)
+        if not self.save_trainable_only:
+            return state
+        trainable = {name for name, param in module.named_parameters(remove_duplicate=False) if param.requires_grad}
+        return {name: value for name, value in state.items() if name in trainable}
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -458,6 +467,8 @@ class FSDPStrategy(ParallelStrategy):
         full file goes through the ``checkpoint_io`` plugin made atomic (see ``checkpoint_io.py``; with
         ``AsyncCheckpointIO`` it appears when the background write is complete).
         """
+        if self.save_trainable_only:
+            mark_trainable_only(checkpoint)
         if self.state_dict_type == "sharded":
             state = {"model": checkpoint.pop("state_dict")}
             for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):

@@ -220,20 +220,24 @@ def write_file_atomically(
 
 
 @contextmanager
-def atomic_directory(final: str | os.PathLike, expected_bytes: int = 0) -> Iterator[Path]:
+def atomic_directory(
+    final: str | os.PathLike, expected_bytes: int = 0, form: str = "sharded", collective: bool = True
+) -> Iterator[Path]:
     """Yield a temporary folder every rank writes into; rank 0 publishes it as ``final`` once all are done.
 
-    A collective: every rank enters and leaves it. Rank 0 checks the destination first (see ``destination.py``) and
+    A collective: every rank enters and leaves it. Rank 0 checks the destination first (see ``destination.py``; a
+    folder ``form``, "sharded" or "hf") and
     every rank raises its refusal before anything is written. If any rank fails inside, every rank raises and the
     temporary is removed: nothing is published and nothing is left behind. ``expected_bytes`` is this rank's share.
+    ``collective=False``: one process writes the folder alone, whether or not it belongs to a process group.
     """
     final = Path(final)
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = collective and dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world_size = dist.get_world_size() if distributed else 1
     decision = [None, None]
     if rank == 0:
-        refusal = check_destination(final, "sharded", expected_bytes * world_size)
+        refusal = check_destination(final, form, expected_bytes * world_size)
         decision = [_sibling(final, uuid.uuid4().hex).name, refusal]
     if distributed:
         dist.broadcast_object_list(decision, src=0)

@@ -8,7 +8,7 @@ time where the output allows it (safetensors from either form: peak memory about
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +21,12 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from lightning_fsdp.checkpoint.atomic import atomic_directory, tensor_bytes, write_file_atomically
 from lightning_fsdp.checkpoint.destination import refusal_to_replace
 from lightning_fsdp.checkpoint.full import save_full_checkpoint
+from lightning_fsdp.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, lightning_prefix, write_hf_folder
 from lightning_fsdp.checkpoint.safe_load import dcp_load_planner, dcp_reader, load_torch_file
 from lightning_fsdp.checkpoint.safetensors_stream import write_safetensors
 from lightning_fsdp.checkpoint.sharded import META_FILE, is_sharded_checkpoint, read_checked_metadata
 
-FORMATS = ("full", "sharded", "safetensors")
+FORMATS = ("full", "sharded", "safetensors", "hf")
 _OPT_IN = "lightning-fsdp convert --trust-checkpoint"
 
 
@@ -37,8 +38,13 @@ def convert(
     quiet: bool = False,
     trust: bool = False,
     overwrite: bool = False,
+    config: str | os.PathLike | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
-    """Convert the checkpoint at ``src`` into ``to`` at ``dst``; ``strip_prefix`` drops a name prefix (safetensors).
+    """Convert the checkpoint at ``src`` into ``to`` at ``dst``; ``strip_prefix`` drops a name prefix (safetensors, hf).
+
+    ``hf`` writes a folder transformers' ``from_pretrained`` reads (see ``hf_export.py``): the LightningModule's
+    prefix stripped (unless ``strip_prefix`` says which), shards above ``max_shard_bytes``, ``config`` copied in.
 
     ``dst`` must not exist, unless ``overwrite`` and it is a checkpoint of the form ``to`` (which is then replaced
     atomically); nothing else is ever replaced. ``trust`` allows unpickling more than plain data from ``src``.
@@ -62,6 +68,8 @@ def convert(
     show = (lambda names: names) if quiet else (lambda names: track(names, description=f"writing {dst.name}"))
     if to == "safetensors":
         _to_safetensors(src, dst, sharded, strip_prefix, show, trust)
+    elif to == "hf":
+        _to_hf(src, dst, sharded, strip_prefix, show, trust, config, max_shard_bytes)
     elif to == "full":
         checkpoint = _read_sharded(src, trust) if sharded else load_torch_file(src, trust, _OPT_IN)
         save_full_checkpoint(dst, checkpoint)
@@ -72,27 +80,7 @@ def convert(
 
 
 def _to_safetensors(src: Path, dst: Path, sharded: bool, strip_prefix: str, show: Any, trust: bool) -> None:
-    if sharded:
-        reader = dcp_reader(src, trust, _OPT_IN)
-        items = read_checked_metadata(src, trust, _OPT_IN).state_dict_metadata
-        sources = {
-            key[len("model.") :]: (item.properties.dtype, tuple(item.size))
-            for key, item in items.items()
-            if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
-        }
-
-        def load(name: str) -> torch.Tensor:
-            dtype, shape = sources[name]
-            tensor = torch.empty(shape, dtype=dtype)
-            dcp.load(
-                {f"model.{name}": tensor}, storage_reader=reader, planner=dcp_load_planner(trust, _OPT_IN), no_dist=True
-            )
-            return tensor
-
-    else:
-        state = _state_dict_of(load_torch_file(src, trust, _OPT_IN), src)
-        sources = {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
-        load = state.__getitem__
+    sources, load = model_tensors(src, sharded, trust)
     renamed = {(n[len(strip_prefix) :] if strip_prefix and n.startswith(strip_prefix) else n): n for n in sources}
     specs = [(new, *sources[old]) for new, old in renamed.items()]
     write_file_atomically(
@@ -101,6 +89,56 @@ def _to_safetensors(src: Path, dst: Path, sharded: bool, strip_prefix: str, show
         form="safetensors",
         expected_bytes=sum(torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in specs),
     )
+
+
+def _to_hf(
+    src: Path,
+    dst: Path,
+    sharded: bool,
+    strip_prefix: str,
+    show: Any,
+    trust: bool,
+    config: str | os.PathLike | None,
+    max_shard_bytes: int,
+) -> None:
+    if config is not None and not Path(config).is_file():
+        raise FileNotFoundError(f"--config {config} is not a file; pass the model's config.json.")
+    sources, load = model_tensors(src, sharded, trust)
+    prefix = strip_prefix or lightning_prefix(sources)
+    renamed = {(n[len(prefix) :] if prefix and n.startswith(prefix) else n): n for n in sources}
+    specs = [(new, *sources[old]) for new, old in renamed.items()]
+    config_path = Path(config) if config is not None else None
+    write_hf_folder(dst, specs, lambda new: load(renamed[new]), config_path, max_shard_bytes, show)
+
+
+TensorSpec = tuple[torch.dtype, tuple[int, ...]]
+
+
+def model_tensors(src: Path, sharded: bool, trust: bool) -> tuple[dict[str, TensorSpec], Callable[[str], torch.Tensor]]:
+    """The model's tensors in the checkpoint at ``src``: name -> (dtype, shape), and a function reading one of them.
+
+    From a sharded folder each read loads just that tensor; a full file is memory-mapped. Either way one tensor at a
+    time is in memory.
+    """
+    if not sharded:
+        state = _state_dict_of(load_torch_file(src, trust, _OPT_IN), src)
+        return {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}, state.__getitem__
+    reader = dcp_reader(src, trust, _OPT_IN)
+    items = read_checked_metadata(src, trust, _OPT_IN).state_dict_metadata
+    sources = {
+        key[len("model.") :]: (item.properties.dtype, tuple(item.size))
+        for key, item in items.items()
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+    }
+
+    def load(name: str) -> torch.Tensor:
+        dtype, shape = sources[name]
+        tensor = torch.empty(shape, dtype=dtype)
+        planner = dcp_load_planner(trust, _OPT_IN)
+        dcp.load({f"model.{name}": tensor}, storage_reader=reader, planner=planner, no_dist=True)
+        return tensor
+
+    return sources, load
 
 
 def _state_dict_of(checkpoint: Any, src: Path) -> dict[str, torch.Tensor]:
@@ -198,6 +236,6 @@ def _full_to_sharded(checkpoint: dict[str, Any], src: Path, dst: Path) -> None:
                 for g in groups
             ],
         }
-    with atomic_directory(dst, expected_bytes=tensor_bytes(state)) as tmp:
+    with atomic_directory(dst, expected_bytes=tensor_bytes(state), collective=False) as tmp:
         dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
         torch.save(checkpoint, tmp / META_FILE)

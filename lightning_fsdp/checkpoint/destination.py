@@ -16,28 +16,32 @@ import struct
 import zipfile
 from pathlib import Path
 
-# The files a sharded save writes: DCP's shard files and metadata (one per rank in some torch versions), meta.pt.
-_SHARDED_FILE = re.compile(r"^(__\d+_\d+\.distcp|(__\d+)?\.metadata|meta\.pt)$")
-
-FORMS = ("full", "sharded", "safetensors")
+# The files each folder form writes. Sharded: DCP's shard files and metadata (one per rank in some torch versions),
+# meta.pt. hf: transformers' weights (one file, or numbered shards and their index) and the config copied beside.
+_FOLDER_FILES = {
+    "sharded": re.compile(r"^(__\d+_\d+\.distcp|(__\d+)?\.metadata|meta\.pt)$"),
+    "hf": re.compile(r"^(model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|config\.json)$"),
+}
+_FOLDER_NAMES = {"sharded": "a sharded checkpoint", "hf": "a Hugging Face weights folder"}
 
 
 def refusal_to_replace(path: str | os.PathLike, form: str) -> str | None:
     """Why a ``form`` checkpoint must not be written at ``path`` (one sentence), or None when it may.
 
-    ``form`` is ``"full"`` (one ``torch.save`` file), ``"sharded"`` (a folder) or ``"safetensors"`` (one file).
+    ``form`` is ``"full"`` (one ``torch.save`` file), ``"sharded"`` or ``"hf"`` (folders) or ``"safetensors"``.
     """
     path = Path(path)
     if not path.exists() and not path.is_symlink():
         return None
     advice = "choose another path, or remove it yourself if it should go."
-    if form == "sharded":
+    if form in _FOLDER_FILES:
+        what = _FOLDER_NAMES[form]
         if not path.is_dir():
-            return f"{path} is a file; a sharded checkpoint is a folder and will not replace it: {advice}"
-        foreign = sorted(entry.name for entry in path.iterdir() if not _written_by_sharded_save(entry))
+            return f"{path} is a file; {what} is a folder and will not replace it: {advice}"
+        foreign = sorted(entry.name for entry in path.iterdir() if not _written_by(form, entry))
         if foreign:
             return (
-                f"{path} is a folder holding files that are not part of a sharded checkpoint "
+                f"{path} is a folder holding files that are not part of {what} "
                 f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}), which a save would delete: {advice}"
             )
         return None
@@ -52,8 +56,8 @@ def refusal_to_replace(path: str | os.PathLike, form: str) -> str | None:
     return None
 
 
-def _written_by_sharded_save(entry: Path) -> bool:
-    return entry.is_file() and not entry.is_symlink() and bool(_SHARDED_FILE.match(entry.name))
+def _written_by(form: str, entry: Path) -> bool:
+    return entry.is_file() and not entry.is_symlink() and bool(_FOLDER_FILES[form].match(entry.name))
 
 
 def _is_torch_archive(path: Path) -> bool:

@@ -36,6 +36,29 @@ from lightning_fsdp.engine.state_dict import (
     sharded_optimizer_state_dict,
 )
 
+# The checkpoint entry that says it holds only the trainable parameters (an adapter, LoRA's A and B): loading it
+# leaves every other parameter as the model has it (the base weights), and refuses only names the model lacks.
+OWN_KEY = "lightning_fsdp"
+
+
+def mark_trainable_only(checkpoint: dict[str, Any]) -> None:
+    checkpoint[OWN_KEY] = {**checkpoint.get(OWN_KEY, {}), "trainable_only": True}
+
+
+def is_trainable_only(checkpoint: dict[str, Any]) -> bool:
+    entry = checkpoint.get(OWN_KEY)
+    return isinstance(entry, dict) and entry.get("trainable_only") is True
+
+
+def check_no_unexpected(model_names: set[str], saved_names: set[str], source: object) -> None:
+    """A trainable-only checkpoint may lack the model's names (the base weights), never name what it does not have."""
+    unexpected = sorted(saved_names - model_names)
+    if unexpected:
+        raise ValueError(
+            f"the checkpoint at {source} holds parameters this model does not have ({unexpected[:8]}); load it into "
+            "the model (with the adapters) it was trained with."
+        )
+
 
 def save_full_checkpoint(path: str | os.PathLike, checkpoint: dict[str, Any]) -> None:
     """Write ``checkpoint`` to ``path`` atomically, streaming it to disk: no second copy in memory (one process)."""
@@ -57,6 +80,9 @@ def load_full_checkpoint(
     checkpoint = load_torch_file(path, trust, opt_in)
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
         raise ValueError(f"{path} is not a Lightning checkpoint: it has no 'state_dict'; pass a .ckpt a Trainer saved.")
+    if is_trainable_only(checkpoint):
+        check_no_unexpected(set(module.state_dict(keep_vars=True)), set(checkpoint["state_dict"]), path)
+        strict = False
     check_keys_and_shapes(module.state_dict(keep_vars=True), checkpoint["state_dict"], strict, full_shapes=True)
     saved_optimizers = checkpoint.pop("optimizer_states", [])
     if optimizers and len(saved_optimizers) != len(optimizers):

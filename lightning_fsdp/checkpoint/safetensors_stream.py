@@ -36,7 +36,7 @@ def write_safetensors(
     progress: Callable[[Iterable[str]], Iterable[str]] = lambda names: names,
 ) -> None:
     """Write ``specs`` (name, dtype, shape) to ``path``, calling ``load(name)`` for one tensor at a time."""
-    header: dict[str, object] = {}
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}  # what transformers checks for torch weights
     offset = 0
     for name, dtype, shape in specs:
         if dtype not in _DTYPES:

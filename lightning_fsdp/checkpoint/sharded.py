@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.atomic import atomic_directory, tensor_bytes
+from lightning_fsdp.checkpoint.full import check_no_unexpected, is_trainable_only
 from lightning_fsdp.checkpoint.optimizer_check import check_optimizer_fits, optimizers_restored_on_error
 from lightning_fsdp.checkpoint.safe_load import dcp_load_planner, dcp_reader, load_torch_file, read_dcp_metadata
 from lightning_fsdp.engine.registry import fsdp_param_of
@@ -75,6 +76,10 @@ def load_sharded(
     meta = load_torch_file(path / META_FILE, trust, opt_in)
     if not isinstance(meta, dict):
         raise ValueError(f"{path / META_FILE} is not a checkpoint's meta.pt (it holds a {type(meta).__name__}).")
+    if is_trainable_only(meta):
+        saved = {key[len("model.") :] for key in metadata.state_dict_metadata if key.startswith("model.")}
+        check_no_unexpected(set(module.state_dict(keep_vars=True)), saved, path)
+        strict = False
     check_model_keys(metadata, module, strict)
     saved_optimizers = sorted(
         {key.split(".")[0] for key in metadata.state_dict_metadata if key.startswith("optimizer_")}
@@ -115,24 +120,22 @@ def read_checked_metadata(path: Path, trust: bool = False, opt_in: str = "trust=
                 "copy?); resume from another checkpoint."
             )
     metadata = read_dcp_metadata(path, trust, opt_in)
-    records: dict[str, list[tuple[int, int]]] = {}
+    by_file: dict[str, list[Any]] = {}
     for info in (metadata.storage_data or {}).values():
-        if not getattr(info, "transform_descriptors", None):  # compressed records have no fixed framing
-            records.setdefault(info.relative_path, []).append((info.offset, info.length))
-    for relative in sorted({info.relative_path for info in (metadata.storage_data or {}).values()}):
+        by_file.setdefault(info.relative_path, []).append(info)
+    for relative, infos in sorted(by_file.items()):
         file = path / relative
         if not file.is_file():
             raise ValueError(f"the sharded checkpoint at {path} is incomplete: shard file {relative} is missing.")
-        spans = [
-            (info.offset, info.length) for info in metadata.storage_data.values() if info.relative_path == relative
-        ]
-        size = max(offset + length for offset, length in spans)
+        size = max(info.offset + info.length for info in infos)
         if file.stat().st_size < size:
             raise ValueError(
                 f"the sharded checkpoint at {path} is truncated: {relative} has {file.stat().st_size} bytes of the "
                 f"{size} its metadata records; resume from another checkpoint."
             )
-        _check_record_framing(file, records.get(relative, []), path)
+        # Compressed records (a storage transform) have no fixed framing to check.
+        spans = [(info.offset, info.length) for info in infos if not getattr(info, "transform_descriptors", None)]
+        _check_record_framing(file, spans, path)
     return metadata
 
 

@@ -1,0 +1,143 @@
+"""Hugging Face transformers models under the engine, as users fine-tune them: tiny Llama and Qwen2 models built from
+configs (no downloads), random weights saved with ``save_pretrained`` playing the pretrained checkpoint.
+
+One 2-rank run per family checks: ``load_pretrained`` fills the sharded model with exactly the file's weights (one
+file, and an index of several); fine-tuning trains with parity against the unsharded model; the trained weights,
+exported with ``convert --to hf``, load back with ``from_pretrained`` and give the sharded model's logits.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_fsdp import fully_shard
+from lightning_fsdp.checkpoint.convert import convert
+from lightning_fsdp.checkpoint.full import save_full_checkpoint
+from lightning_fsdp.checkpoint.pretrained import load_pretrained
+from lightning_fsdp.engine.state_dict import full_state_dict
+from tests.distributed import run_distributed
+from tests.engine_harness import RTOL, max_relative_error
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQUENCE, LOCAL_BATCH, STEPS = 61, 12, 2, 3
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model: str  # class names in transformers
+    layer: str
+    config: str
+    options: tuple[tuple[str, Any], ...]
+
+    def build(self, seed: int) -> torch.nn.Module:
+        config = getattr(transformers, self.config)(
+            vocab_size=VOCAB,
+            hidden_size=20,  # head_dim 10: RoPE needs it even; 61 vocabulary rows divide by neither 2 nor 4
+            intermediate_size=30,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+            **dict(self.options),
+        )
+        torch.manual_seed(seed)
+        return getattr(transformers, self.model)(config)
+
+    @property
+    def layer_class(self) -> type[torch.nn.Module]:
+        module = getattr(transformers, self.model).__module__
+        return getattr(__import__(module, fromlist=[self.layer]), self.layer)
+
+
+FAMILIES = {
+    "llama": Family("llama", "LlamaForCausalLM", "LlamaDecoderLayer", "LlamaConfig", (("tie_word_embeddings", True),)),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", "Qwen2DecoderLayer", "Qwen2Config", (("tie_word_embeddings", False),)),
+}
+
+
+def _batches(rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(global batch, this rank's rows) for every step; the same on every rank."""
+    data = torch.Generator().manual_seed(1)
+    global_batch = LOCAL_BATCH * world_size
+    local = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    return [
+        (tokens, tokens[local])
+        for tokens in (torch.randint(0, VOCAB, (global_batch, SEQUENCE), generator=data) for _ in range(STEPS))
+    ]
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(trainable, lr=1e-3, eps=1e-5, weight_decay=0.1)
+
+
+def _assert_equal_state(model: torch.nn.Module, expected: dict[str, torch.Tensor], label: str) -> None:
+    full = full_state_dict(model, rank0_only=False)
+    assert full.keys() == expected.keys(), f"{label}: keys differ"
+    for name, value in expected.items():
+        assert torch.equal(full[name], value), f"{label}: {name} differs"
+
+
+def _fine_tune(rank: int, world_size: int, folder_name: str, family_name: str) -> None:
+    family, folder = FAMILIES[family_name], Path(folder_name)
+    pretrained = family.build(seed=0)
+    if rank == 0:
+        pretrained.save_pretrained(folder / "pretrained")
+        pretrained.save_pretrained(folder / "pretrained_index", max_shard_size="8KB")  # several files + index
+    torch.distributed.barrier()
+    assert (folder / "pretrained_index" / "model.safetensors.index.json").is_file()
+
+    # Pretrained weights into a sharded model built with other (random) weights: each rank reads its own rows.
+    for source in ("pretrained", "pretrained_index"):
+        model = fully_shard(family.build(seed=1), {family.layer_class})
+        result = load_pretrained(model, folder / source)
+        assert not result.missing and not result.unexpected, result
+        _assert_equal_state(model, pretrained.state_dict(), f"{family.name} load_pretrained({source})")
+
+    # Fine-tuning: the sharded model on each rank's rows against the unsharded one on the global batch.
+    reference = copy.deepcopy(pretrained)
+    optimizer, ref_optimizer = _optimizer(model), _optimizer(reference)
+    for tokens, local in _batches(rank, world_size):
+        model(input_ids=local, labels=local).loss.backward()
+        reference(input_ids=tokens, labels=tokens).loss.backward()
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    trained = full_state_dict(model, rank0_only=False)
+    for name, value in reference.state_dict().items():
+        error = max_relative_error(trained[name], value)
+        assert error < RTOL, f"{family.name} fine-tune: {name} relative error {error:.1e}"
+
+    # Export through a Lightning-style full checkpoint ("model." is the LightningModule's attribute) -> hf folder.
+    probe = torch.randint(0, VOCAB, (2, SEQUENCE), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = model(input_ids=probe).logits
+    if rank == 0:
+        checkpoint = {"state_dict": {f"model.{name}": value for name, value in trained.items()}, "global_step": 3}
+        save_full_checkpoint(folder / "trained.ckpt", checkpoint)
+        config = folder / "pretrained" / "config.json"
+        convert(folder / "trained.ckpt", folder / "export", "hf", quiet=True, config=config)
+        convert(
+            folder / "trained.ckpt", folder / "export_sharded", "hf", quiet=True, config=config, max_shard_bytes=8000
+        )
+        assert len(list((folder / "export_sharded").glob("model-*-of-*.safetensors"))) > 1
+        for export in ("export", "export_sharded"):
+            loaded = getattr(transformers, family.model).from_pretrained(folder / export)
+            with torch.no_grad():
+                exported_logits = loaded(input_ids=probe).logits
+            error = max_relative_error(exported_logits, logits)
+            assert error < RTOL, f"{family.name} {export}: logits differ by {error:.1e}"
+    torch.distributed.barrier()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_pretrained_load_fine_tune_and_export(tmp_path: Path, family: str) -> None:
+    run_distributed(_fine_tune, 2, str(tmp_path), family, timeout=300)

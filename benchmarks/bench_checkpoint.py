@@ -15,6 +15,10 @@ ranks with one thread each. Then, one after the other, each timed from a barrier
   ``checkpoint_io`` plugin path does), which serializes into memory first.
 - ``sharded save``: ``save_sharded`` of the DTensor state dicts (every rank writes its own rows).
 - ``full load`` / ``sharded load``: back into the same sharded model and optimizer, as ``load_checkpoint`` does.
+- ``load_pretrained``: the model's weights from a safetensors file (rank 0 wrote it in the step before, from the
+  gathered model) into the sharded model, each rank reading only its own rows; beside it ``whole model per rank``,
+  what ``from_pretrained`` on every rank and then sharding costs: a whole model built on each rank, the file loaded
+  into it, the sharded model's rows copied out of it.
 
 Memory is rank 0's, in two columns. ``peak RSS +``: the kernel's high-water mark (``VmHWM``, reset through
 ``/proc/self/clear_refs`` before each step) minus the resident size just before it; it counts the pages of a
@@ -55,6 +59,7 @@ if importlib.util.find_spec("lightning_fsdp") is None:  # run from a checkout wh
     sys.path.insert(0, str(_REPO_ROOT))
 
 from lightning.fabric.plugins import TorchCheckpointIO  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 from lightning_fsdp import fully_shard  # noqa: E402
 from lightning_fsdp.checkpoint.atomic import write_file_atomically  # noqa: E402
@@ -64,6 +69,7 @@ from lightning_fsdp.checkpoint.full import (  # noqa: E402
     load_full_optimizer_state,
     save_full_checkpoint,
 )
+from lightning_fsdp.checkpoint.pretrained import load_pretrained  # noqa: E402
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded, sharded_checkpoint_state  # noqa: E402
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig  # noqa: E402
 from lightning_fsdp.engine.state_dict import full_state_dict, init_optimizer_state, load_full_state_dict  # noqa: E402
@@ -140,7 +146,9 @@ def _build(args: Args) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> dict[str, Callable[[], Any]]:
+def _steps(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, config: GPTConfig
+) -> dict[str, Callable[[], Any]]:
     """Each measured step, in order; rank 0 alone writes full checkpoints, every rank calls every step."""
     rank0 = dist.get_rank() == 0
 
@@ -163,6 +171,17 @@ def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Pat
         load_full_state_dict(model, checkpoint["state_dict"])
         load_full_optimizer_state(model, optimizer, checkpoint["optimizer_states"][0])
 
+    def write_pretrained() -> None:
+        weights = full_state_dict(model)
+        if rank0:
+            del weights["lm_head.weight"]  # tied to wte.weight: a pretrained file stores it once
+            save_file(weights, folder / "pretrained.safetensors")
+
+    def whole_model_per_rank() -> None:
+        whole = GPT(config)  # what from_pretrained builds on every rank before the model can be sharded
+        whole.load_state_dict(load_file(folder / "pretrained.safetensors"), strict=False)  # lm_head: tied to wte
+        load_full_state_dict(model, whole.state_dict())
+
     return {
         "gather model": lambda: full_state_dict(model),
         "full save": full_save,
@@ -172,6 +191,9 @@ def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Pat
         ),
         "full load": full_load,
         "sharded load": lambda: load_sharded(folder / "sharded", model, [optimizer]),
+        "write safetensors (rank 0)": write_pretrained,
+        "load_pretrained (own rows)": lambda: load_pretrained(model, folder / "pretrained.safetensors"),
+        "whole model per rank": whole_model_per_rank,
     }
 
 
@@ -183,7 +205,7 @@ def _rank(rank: int, args: Args, port: int) -> None:
     model, optimizer = _build(args)
     folder = Path(args.folder)
     rows = []
-    for name, step in _steps(model, optimizer, folder).items():
+    for name, step in _steps(model, optimizer, folder, args.config()).items():
         dist.barrier()
         with peak_memory() as peak:
             start = time.perf_counter()

@@ -1,0 +1,104 @@
+"""A Hugging Face causal language model as a LightningModule, fine-tuned on the demo corpus' bytes.
+
+The recipe, and what each way of loading the pretrained weights costs in host memory per rank:
+
+- ``load="rows"`` (the default): ``configure_model`` builds the model from its ``config.json`` alone (random weights;
+  under ``trainer.init_module(empty_init=True)`` on the meta device, costing nothing), the strategy shards it, and
+  ``on_fit_start`` reads each rank's rows of every tensor from the safetensors files with ``load_pretrained``:
+  about one tensor beyond the shards.
+- ``load="from_pretrained"``: ``configure_model`` calls ``from_pretrained``, so every rank holds the whole model
+  until the strategy shards it. Simplest, and fine while the model fits each rank's host memory.
+
+``lora_rank > 0`` adds LoRA adapters (``lightning_fsdp.demos.lora``) to the layers named by ``lora_targets`` and
+freezes everything else; with ``FSDPStrategy(save_trainable_only=True)`` checkpoints then hold the adapters alone.
+transformers is imported only when the model is built (it is not a dependency of lightning_fsdp itself).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from typing_extensions import override
+
+from lightning_fsdp.checkpoint.pretrained import load_pretrained
+from lightning_fsdp.demos.lora import add_lora
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class HFCausalLM(LightningModule):
+    """Fine-tunes the transformers model saved at ``pretrained`` (a ``save_pretrained`` folder).
+
+    Args:
+        pretrained: a folder with ``config.json`` and safetensors weights (``model.safetensors`` or an index).
+        load: ``"rows"`` or ``"from_pretrained"``, see the module docstring.
+        lora_rank: 0 trains every parameter; above 0, LoRA adapters of that rank on ``lora_targets`` only.
+        lora_targets: names of the ``nn.Linear`` layers to adapt (matched at the end of the module name).
+        lora_alpha: LoRA's scale numerator (the update is scaled by ``alpha / rank``).
+        lr, weight_decay: AdamW's, over the trainable parameters.
+    """
+
+    def __init__(
+        self,
+        pretrained: str,
+        load: Literal["rows", "from_pretrained"] = "rows",
+        lora_rank: int = 0,
+        lora_targets: tuple[str, ...] = ("q_proj", "v_proj"),
+        lora_alpha: float = 16.0,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if load not in ("rows", "from_pretrained"):
+            raise ValueError(f"load={load!r}: use 'rows' or 'from_pretrained'.")
+        self.save_hyperparameters()
+        self.model: torch.nn.Module | None = None
+
+    @override
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if self.hparams.load == "from_pretrained":
+            model = AutoModelForCausalLM.from_pretrained(self.hparams.pretrained)
+        else:
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.hparams.pretrained))
+        if self.hparams.lora_rank > 0:
+            add_lora(model, self.hparams.lora_targets, self.hparams.lora_rank, self.hparams.lora_alpha)
+        self.model = model
+
+    @override
+    def on_fit_start(self) -> None:
+        """Read the pretrained rows into the (now sharded) model; a checkpoint being resumed is restored after this."""
+        if self.hparams.load != "rows":
+            return
+        result = load_pretrained(self.model, self.hparams.pretrained, strict=False)
+        missing = [name for name in result.missing if not name.endswith(("lora_a", "lora_b"))]
+        if missing or result.unexpected:
+            raise ValueError(
+                f"the weights at {self.hparams.pretrained} do not fit the model built from its config: missing "
+                f"{missing[:8]}, unexpected {result.unexpected[:8]}."
+            )
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        return self.model(input_ids=input_ids, labels=labels)
+
+    @override
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        inputs, _ = batch
+        loss = self(inputs, labels=inputs).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        inputs, _ = batch
+        self.log("val_loss", self(inputs, labels=inputs).loss, sync_dist=True)
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        trainable = [param for param in self.parameters() if param.requires_grad]
+        return torch.optim.AdamW(trainable, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)

@@ -61,11 +61,15 @@ def test_trainer_precision_maps_onto_the_engine(
 ) -> None:
     strategy = cpu_trainer("myfsdp", precision=precision).strategy
     assert isinstance(strategy.precision_plugin, FSDPPrecision)
-    config = strategy.mixed_precision_config
+    config = strategy.mixed_precision_config  # as Lightning reports it: the compute dtype, always
+    compute_dtype = engine_dtype or model_dtype
+    assert (config.param_dtype, config.reduce_dtype, config.buffer_dtype) == (compute_dtype,) * 3
+    engine = strategy.precision_plugin.engine_mixed_precision  # what the engine gets: a policy for "-mixed" only
     if engine_dtype is None:
-        assert config is None
+        assert engine is None
     else:
-        assert (config.param_dtype, config.reduce_dtype, config.buffer_dtype) == (engine_dtype,) * 3
+        assert (engine.param_dtype, engine.reduce_dtype, engine.buffer_dtype) == (engine_dtype,) * 3
+        assert engine.cast_forward_inputs  # a float batch meets the half weights in the half type
     assert strategy.precision_plugin.convert_module(torch.nn.Linear(2, 2)).weight.dtype == model_dtype
 
 
@@ -122,7 +126,7 @@ def test_an_unsupported_precision(precision: str) -> None:
         ({"state_dict_type": "shards"}, ["state_dict_type='shards'", "'full'"]),
         ({"device_mesh": (1, 2)}, ["device_mesh=(1, 2)", "HYBRID_SHARD"]),
         ({"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 0)}, ["(replicate, shard)"]),
-        ({"cpu_offload": "yes"}, ["cpu_offload must be True or False"]),
+        ({"cpu_offload": "yes"}, ["cpu_offload must be True, False, None or", "CPUOffload"]),
         ({"sync_grads_each_micro_batch": 1}, ["sync_grads_each_micro_batch"]),
         ({"timeout": 20}, ["timeout must be a datetime.timedelta"]),
         ({"auto_wrap_policy": set()}, ["auto_wrap_policy is an empty set"]),

@@ -59,7 +59,7 @@ from lightning_fsdp.engine.state_dict import (
 from lightning_fsdp.lightning_arguments import activation_checkpointing_alias, refuse_unknown_keywords, split_ignored
 from lightning_fsdp.precision import FSDPPrecision, as_fsdp_precision
 from lightning_fsdp.summary import use_full_size_summaries
-from lightning_fsdp.sync_batchnorm import as_cpu_capable
+from lightning_fsdp.sync_batchnorm import for_device
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -326,7 +326,7 @@ class FSDPStrategy(ParallelStrategy):
         if unit_of(self._module()) is None:
             self.model = self.precision_plugin.convert_module(self._module())
             if self._layer_sync is not None:
-                self.model = as_cpu_capable(self._layer_sync).apply(self.model)
+                self.model = for_device(self._layer_sync, self.root_device).apply(self.model)
             self.model_to_device()
             self.model = self._setup_model(self.model)
         self.barrier()

@@ -1,11 +1,11 @@
 """``Trainer(sync_batchnorm=True)`` on CPU ranks as well as on GPUs.
 
 Lightning's ``TorchSyncBatchNorm`` converts batch norms to ``torch.nn.SyncBatchNorm``, whose forward refuses CPU
-tensors. :class:`SyncBatchNorm` is that class with a CPU path: the batch statistics (per-channel sum, sum of
+tensors (and which DDP refuses on CPU modules). :class:`SyncBatchNorm` is a batch norm for CPU ranks: the batch
+statistics (per-channel sum, sum of
 squares and count) are all-reduced over the data-parallel group by a differentiable sum (:class:`_AllReduceSum`:
 the gradient of a sum over ranks is the sum over ranks of the gradients), so the gradients are those of normalising
-by the global batch's statistics -- the same math as torch's CUDA kernel.
-On other devices it is torch's class unchanged.
+by the global batch's statistics -- the same math as torch's CUDA kernel. On GPUs the strategy keeps torch's class.
 
 Batch norm parameters are tiny; they are sharded like any other parameter, while the statistics are synchronised
 over every rank of the data-parallel group (the whole world: every rank sees its own slice of the data).
@@ -20,15 +20,26 @@ import torch.distributed as dist
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 
-class SyncBatchNorm(nn.SyncBatchNorm):
-    """``torch.nn.SyncBatchNorm`` that also synchronises CPU tensors (see the module docstring)."""
+class SyncBatchNorm(_BatchNorm):
+    """A batch norm whose training statistics are those of the whole data-parallel batch, on CPU ranks (see the
+    module docstring); built by :class:`CPUCapableSyncBatchNorm` from the model's ``BatchNorm*d`` layers."""
+
+    def __init__(self, *args: Any, process_group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.process_group = process_group
+
+    @override
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     @override
     def forward(self, input: Tensor) -> Tensor:
-        if input.device.type != "cpu" or not self._syncs():
+        if not self._syncs():
             return super().forward(input)
         self._check_input_dim(input)
         channels = input.shape[1]
@@ -85,13 +96,23 @@ class CPUCapableSyncBatchNorm(TorchSyncBatchNorm):
 
     @override
     def apply(self, model: nn.Module) -> nn.Module:
+        """torch's conversion (which copies weights, buffers and flags), then our CPU class in place of torch's."""
         converted = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         for module in converted.modules():
             if type(module) is nn.SyncBatchNorm:
                 module.__class__ = SyncBatchNorm
         return converted
 
+    @override
+    def revert(self, model: nn.Module) -> nn.Module:
+        for module in model.modules():
+            if type(module) is SyncBatchNorm:
+                module.__class__ = nn.SyncBatchNorm
+        return super().revert(model)
 
-def as_cpu_capable(layer_sync: LayerSync) -> LayerSync:
-    """Lightning's default sync plugin, made to run on CPU ranks; any other plugin as given."""
-    return CPUCapableSyncBatchNorm() if type(layer_sync) is TorchSyncBatchNorm else layer_sync
+
+def for_device(layer_sync: LayerSync, device: torch.device) -> LayerSync:
+    """Lightning's default sync plugin on CPU ranks becomes :class:`CPUCapableSyncBatchNorm`; anything else as given."""
+    if device.type == "cpu" and type(layer_sync) is TorchSyncBatchNorm:
+        return CPUCapableSyncBatchNorm()
+    return layer_sync

@@ -23,6 +23,7 @@ CASES = {
     "no_shard": 9666,
     "hybrid_default_mesh": SHARDED,  # (1, 2): one replica sharded over both ranks
     "hybrid_2x1": 9666,  # (2, 1): two replicas, each whole
+    "hybrid_zero2": SHARDED,  # SHARD_GRAD_OP within the (1, 2) shard group
     "init_module_empty_init": SHARDED,
     "configure_model": SHARDED,
     "configure_model_empty_init": SHARDED,

@@ -3,7 +3,8 @@
 Each case starts from seed 0 and the same data as the DDP reference, and rank 0 saves its full weights to
 OUT_DIR/<case>.pt:
 
-- cpu_offload, activation checkpointing, NO_SHARD, HYBRID_SHARD as (1, 2) by default and as (2, 1);
+- cpu_offload, activation checkpointing, NO_SHARD, HYBRID_SHARD as (1, 2) by default and as (2, 1),
+  _HYBRID_SHARD_ZERO2 (Lightning's name: SHARD_GRAD_OP inside the shard group);
 - deferred init through ``trainer.init_module(empty_init=True)`` and through ``configure_model`` with
   ``FSDPStrategy(empty_init=True)``: the engine materializes the meta modules in module order after the strategy
   re-seeds, so it reproduces the eager init (the GPT's tied embedding included);
@@ -111,6 +112,7 @@ def main() -> None:
     run("no_shard", FSDPStrategy(auto_wrap_policy=blocks, sharding_strategy="NO_SHARD"))
     run("hybrid_default_mesh", FSDPStrategy(auto_wrap_policy=blocks, sharding_strategy="HYBRID_SHARD"))
     run("hybrid_2x1", FSDPStrategy(auto_wrap_policy=blocks, sharding_strategy="HYBRID_SHARD", device_mesh=(2, 1)))
+    run("hybrid_zero2", FSDPStrategy(auto_wrap_policy=blocks, sharding_strategy="_HYBRID_SHARD_ZERO2"))
     run("init_module_empty_init", FSDPStrategy(auto_wrap_policy=blocks), build="init_module")
     run("configure_model", FSDPStrategy(auto_wrap_policy=blocks), build="configure_model")
     run("configure_model_empty_init", FSDPStrategy(auto_wrap_policy=blocks, empty_init=True), build="configure_model")

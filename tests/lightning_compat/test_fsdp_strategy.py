@@ -28,6 +28,7 @@ from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lightning_fsdp import FSDPPrecision, FSDPStrategy
+from lightning_fsdp import strategy as strategy_module
 from tests.strategy_scripts import run_script
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp_trainer_runs.py"
@@ -99,8 +100,7 @@ def test_strategy_load_optimizer_states_multiple(runs: Path) -> None:
 
 def test_save_load_sharded_state_dict(runs: Path) -> None:
     files = set(record(runs, "save_load_sharded_state_dict")["files"])
-    assert {"meta.pt", ".metadata"} <= files
-    assert any(name.endswith(".distcp") for name in files), files
+    assert files == {"meta.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"}
 
 
 def test_sync_batchnorm_matches_ddp(runs: Path) -> None:
@@ -245,6 +245,9 @@ def test_unknown_keyword_refused() -> None:
 def test_device_mesh_type_annotation() -> None:
     jsonargparse = pytest.importorskip("jsonargparse")
     annot = signature(FSDPStrategy).parameters["device_mesh"].annotation
+    # Mechanical: our module postpones annotations (strings); resolve it in the strategy's namespace, as LightningCLI
+    # (jsonargparse) does when it reads the signature.
+    annot = eval(annot, vars(strategy_module)) if isinstance(annot, str) else annot
     parser = jsonargparse.ArgumentParser()
     parser.add_argument("--device_mesh", type=annot)
     args = parser.parse_args(["--device_mesh=[1, 4]"])

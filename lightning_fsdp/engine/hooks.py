@@ -79,8 +79,7 @@ class RootContext:
         on_cpu = all(p.unsharded_buffer.device.type == "cpu" for unit in sharded for p in unit.params)
         if not sharded or not on_cpu:
             return None
-        largest = max(u.collective_bytes() for u in sharded)
-        return SharedMemoryTransport.create(sharded[0].shard_group, largest, max(u.gather_bytes() for u in sharded))
+        return SharedMemoryTransport.create(sharded[0].shard_group, max(u.collective_bytes() for u in sharded))
 
     # ----- order and prefetch --------------------------------------------------------------------------------------
 

@@ -10,11 +10,8 @@ its own shared segment and, after a barrier, every rank reads every other rank's
 same with a sum: each rank packs its (world_size, shard) gradient buffer into its segment and sums row ``rank`` of
 every segment. This is what DeepSpeed's shared-memory all-reduce does for CPU ranks; NCCL does it on one node too.
 
-[Note: slots] Each rank's segment is cut into ``SLOTS`` slots, one per collective in flight, sized by what each
-kind of collective sends: an all-gather one shard of a unit, a reduce-scatter ``world_size`` shards of its
-gradients. So ``GATHER_SLOTS`` slots hold the largest unit's shard and the others its whole gradient (slots all of
-the gradient's size took a third more memory at 2 ranks, 1.8 times as much at 8). A collective takes the free slot
-that has been free the longest among those it fits in: every rank issues and finishes the engine's collectives in the
+[Note: slots] Each rank's segment is cut into ``SLOTS`` equal slots, one per collective in flight. A collective
+takes the free slot that has been free the longest: every rank issues and finishes the engine's collectives in the
 same order, so every rank takes the same slot, which is how readers know where to look. A slot is free again once
 this rank has read the data of its collective (``release``), and is written again only after a second barrier,
 issued at release, says that every other rank has read it too. Taking the longest-free slot rather than the lowest
@@ -25,9 +22,8 @@ reductions).
 
 Barriers are gloo collectives, so a rank that dies makes the others fail with gloo's timeout rather than hang.
 Set ``LIGHTNING_FSDP_SHARED_MEMORY=0`` to keep everything on gloo. Each segment is a file in ``/dev/shm``, allocated
-in full when it is created (two slots of the largest unit's shard and two of its gradient: 36 MiB a rank for the
-25M-parameter benchmark model at 2 ranks) and removed as soon as every rank has mapped it: the memory lives exactly
-as long as the processes that map it.
+in full when it is created (``SLOTS`` x the largest unit's send buffer: 48 MiB a rank for the 25M-parameter benchmark
+model) and removed as soon as every rank has mapped it: the memory lives exactly as long as the processes that map it.
 """
 
 from __future__ import annotations
@@ -46,7 +42,6 @@ from lightning_fsdp.engine.comm_stats import record_collective
 ENV_SWITCH = "LIGHTNING_FSDP_SHARED_MEMORY"
 SHM_DIR = "/dev/shm"
 SLOTS = 4
-GATHER_SLOTS = 2  # the first slots, sized for an all-gather's send buffer (see [Note: slots])
 _ALIGN = 64  # bytes: keeps every slot aligned for vectorised copies of any dtype
 
 
@@ -94,15 +89,13 @@ def _peer(path: str, nbytes: int, token: bytes) -> torch.Tensor | None:
 
 
 class SharedMemoryTransport:
-    """Every rank of ``group`` maps every other rank's segment of ``SLOTS`` slots of ``slot_sizes`` bytes."""
+    """Every rank of ``group`` maps every other rank's segment of ``SLOTS`` slots of ``slot_bytes`` each."""
 
-    def __init__(self, group: ProcessGroup, slot_sizes: list[int], segments: list[torch.Tensor]) -> None:
+    def __init__(self, group: ProcessGroup, slot_bytes: int, segments: list[torch.Tensor]) -> None:
         self.group = group
         self.rank = group.rank()
         self.world_size = group.size()
-        self.slot_sizes = slot_sizes
-        self.slot_bytes = max(slot_sizes)  # the largest collective that fits at all
-        self._offsets = [sum(slot_sizes[:slot]) for slot in range(SLOTS)]
+        self.slot_bytes = slot_bytes
         self.segments = segments  # uint8, one per rank of the group, in group rank order (this rank's own too)
         self._free = deque(range(SLOTS))  # free slots, the longest free first
         self._released: list[dist.Work | None] = [None] * SLOTS  # the barrier saying every rank has read the slot
@@ -110,16 +103,11 @@ class SharedMemoryTransport:
     @property
     def resident_bytes(self) -> int:
         """This rank's memory in shared memory: its whole segment, allocated when the transport was created."""
-        return sum(self.slot_sizes)
+        return SLOTS * self.slot_bytes
 
     @staticmethod
-    def create(
-        group: ProcessGroup | None, slot_bytes: int, gather_bytes: int | None = None
-    ) -> SharedMemoryTransport | None:
+    def create(group: ProcessGroup | None, slot_bytes: int) -> SharedMemoryTransport | None:
         """A collective over ``group``: the transport, or None where its ranks cannot share memory (on every rank).
-
-        ``slot_bytes`` is the largest send buffer of any collective, ``gather_bytes`` that of any all-gather: the
-        first ``GATHER_SLOTS`` slots get that size (all slots ``slot_bytes`` when it is None).
 
         None for no group, a group of one rank or over another backend than gloo, when it is switched off or
         ``/dev/shm`` lacks room for every rank's segment, and for ranks that do not see each other's segments (other
@@ -127,9 +115,8 @@ class SharedMemoryTransport:
         """
         if group is None or group.size() == 1 or dist.get_backend(group) != dist.Backend.GLOO or slot_bytes <= 0:
             return None
-        sizes = [min(gather_bytes or slot_bytes, slot_bytes)] * GATHER_SLOTS + [slot_bytes] * (SLOTS - GATHER_SLOTS)
-        slot_sizes = [-(-size // _ALIGN) * _ALIGN for size in sizes]
-        wanted = sum(slot_sizes)
+        slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
+        wanted = SLOTS * slot_bytes
         name, token = f"lightning_fsdp-{uuid.uuid4().hex}", uuid.uuid4().bytes
         path = os.path.join(SHM_DIR, name)
         try:
@@ -152,16 +139,15 @@ class SharedMemoryTransport:
                 os.unlink(path)
         if not all(agreed):
             return None
-        return SharedMemoryTransport(group, slot_sizes, segments)
+        return SharedMemoryTransport(group, slot_bytes, segments)
 
     # ----- slots -------------------------------------------------------------------------------------------------
 
     def acquire(self, nbytes: int) -> int | None:
-        """The slot for the next collective, or None: it fits no free slot (use gloo)."""
-        slot = next((free for free in self._free if nbytes <= self.slot_sizes[free]), None)
-        if slot is None:
+        """The slot for the next collective, or None: it does not fit, or every slot is in flight (use gloo)."""
+        if nbytes > self.slot_bytes or not self._free:
             return None
-        self._free.remove(slot)
+        slot = self._free.popleft()
         released = self._released[slot]
         if released is not None:  # everyone must have read what this slot held before we overwrite it
             released.wait()
@@ -170,7 +156,7 @@ class SharedMemoryTransport:
 
     def view(self, rank: int, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """``numel`` elements of ``dtype`` at the start of ``rank``'s ``slot`` (this rank's own: to write into)."""
-        start = self._offsets[slot]
+        start = slot * self.slot_bytes
         return self.segments[rank][start : start + numel * dtype.itemsize].view(dtype)
 
     def publish(self) -> dist.Work:

@@ -110,17 +110,11 @@ class FSDPUnit:
         """The largest send buffer this unit's collectives fill: its packed shards, or its reduced gradients."""
         if not self.params:
             return 0
+        shard_numel = sum(p.layout.shard_numel for p in self.params)
         trainable_numel = sum(p.layout.shard_numel for p in self.params if p.requires_grad)
         param_dtype = self.options.mixed_precision.param_dtype or self.params[0].padded_shard.dtype
         reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or param_dtype
-        return max(self.gather_bytes(), self.world_size * trainable_numel * reduce_dtype.itemsize)
-
-    def gather_bytes(self) -> int:
-        """The send buffer of this unit's all-gather: its packed shards in the gather dtype."""
-        if not self.params:
-            return 0
-        param_dtype = self.options.mixed_precision.param_dtype or self.params[0].padded_shard.dtype
-        return sum(p.layout.shard_numel for p in self.params) * param_dtype.itemsize
+        return max(shard_numel * param_dtype.itemsize, self.world_size * trainable_numel * reduce_dtype.itemsize)
 
     def __repr__(self) -> str:
         return f"FSDPUnit({type(self.module).__name__}, params={len(self.params) + len(self.replicated)})"

@@ -1,14 +1,17 @@
 """The engine benchmark at the Trainer level: ``strategy="myfsdp"`` against ``strategy="ddp"``, 2 CPU processes.
 
-    python benchmarks/bench_trainer.py                        # ~14M params, 3 rounds, about 2 minutes
-    python benchmarks/bench_trainer.py --rounds 1 --n-layer 2 --n-embd 128 --steps 3   # a smoke test
+    python benchmarks/bench_trainer.py                        # ~14M params, 3 rounds, about 3 minutes
+    python benchmarks/bench_trainer.py --rounds 1 --n-layer 2 --n-embd 128 --n-head 4 --steps 3   # a smoke test
+    python benchmarks/bench_trainer.py --n-layer 5 --n-embd 672 --n-head 8 --rounds 2 --steps 4 \
+        --impls ddp myfsdp_default                            # issue 10's target: the 27.4M GPT, no arguments
     python benchmarks/bench_trainer.py --json benchmarks/results/trainer.json
 
 What a user of the strategy gets, end to end: ``LitGPT`` (``lightning_fsdp.demos.lit_gpt``, the GPT built in
 ``configure_model``) on ``CharDataModule``, under ``Trainer(strategy=FSDPStrategy(auto_wrap_policy={Block}))``
-and under ``Trainer(strategy="ddp")``. Everything Lightning adds on top of ``bench_engine.py`` is included:
-deferred init on the meta device, the precision plugin, gradient clipping through the Trainer, hooks and
-logging, the ``DistributedSampler``.
+("myfsdp"), under ``Trainer(strategy="myfsdp")`` with no argument at all ("myfsdp_default": the strategy finds the
+GPT's blocks itself) and under ``Trainer(strategy="ddp")``. Everything Lightning adds on top of
+``bench_engine.py`` is included: ``configure_model`` (on the CPU, as under Lightning's FSDP), the precision plugin,
+gradient clipping through the Trainer, hooks and logging, the ``DistributedSampler``.
 
 Why it is built this way:
 
@@ -24,6 +27,8 @@ Why it is built this way:
   per-step training losses (rank means) must agree; a disagreement is printed as a WARNING line.
 - Per-rank parameters + gradients + optimizer state are counted after the last step, with ``bench_engine``'s
   ``state_bytes`` (distinct storages, shards inside padded buffers counted whole).
+- Peak RSS is each rank's ``ru_maxrss`` at the end of training (the whole process: interpreter, libraries, the
+  model, activations, collective buffers and the shared-memory segment it mapped), the larger rank's counted.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -60,7 +66,7 @@ from lightning_fsdp.demos.gpt import Block  # noqa: E402
 from lightning_fsdp.demos.lit_gpt import LitGPT  # noqa: E402
 from lightning_fsdp.process_exit import exit_now  # noqa: E402
 
-IMPLS = ("ddp", "myfsdp")
+IMPLS = ("ddp", "myfsdp", "myfsdp_default")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run before giving up")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every number here")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="strategies to compare")
     parser.add_argument("--impl", choices=IMPLS, default=None, help=argparse.SUPPRESS)  # one run (internal)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)  # where that run's rank 0 writes
     return parser.parse_args(argv)
@@ -119,7 +126,8 @@ class StepRecorder(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Gather every rank's record to rank 0 while the process group is certainly alive."""
-        mine = {"step_times_s": self.step_times, "losses": self.losses, "state_bytes": self.state}
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        mine = {"step_times_s": self.step_times, "losses": self.losses, "state_bytes": self.state, "peak_rss": peak_rss}
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         self.gathered = gathered
@@ -130,7 +138,12 @@ def run_one(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13's deprecated collective names
     seed_everything(args.seed, verbose=False)
-    strategy: Any = "ddp" if args.impl == "ddp" else FSDPStrategy(auto_wrap_policy={Block})
+    strategies: dict[str, Any] = {
+        "ddp": "ddp",
+        "myfsdp": FSDPStrategy(auto_wrap_policy={Block}),
+        "myfsdp_default": "myfsdp",
+    }
+    strategy = strategies[args.impl]
     recorder = StepRecorder()
     trainer = Trainer(
         accelerator="cpu",
@@ -196,6 +209,7 @@ def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "loss_curve": curves[0],
         "loss_same_every_run": all(curve == curves[0] for curve in curves),
         "state_bytes": {k: max(x["state_bytes"][k] for x in first) for k in first[0]["state_bytes"]},
+        "peak_rss_median_bytes": statistics.median(max(x["peak_rss"] for x in r["ranks"]) for r in records),
     }
 
 
@@ -219,26 +233,33 @@ def report(summaries: dict[str, dict[str, Any]], args: argparse.Namespace, num_p
         ("step time (max)", lambda s: f"{s['step_time_max_s'] * 1e3:.0f} ms"),
         ("  run medians", lambda s: " ".join(f"{t * 1e3:.0f}" for t in s["step_time_run_medians_s"])),
         ("params+grads+optim", lambda s: f"{s['state_bytes']['total'] / 2**20:.1f} MiB"),
+        ("peak RSS (median)", lambda s: f"{s['peak_rss_median_bytes'] / 2**20:.0f} MiB"),
         ("final loss", lambda s: f"{s['loss_curve'][-1]:.5f}"),
     ]
     for title, cell in rows:
         lines.append(f"{title:24s}" + "".join(f"{cell(s):>16s}" for s in summaries.values()))
-    if set(summaries) == set(IMPLS):
-        ours, ddp = summaries["myfsdp"], summaries["ddp"]
+    ours_impls = [impl for impl in summaries if impl != "ddp"]
+    if "ddp" in summaries and ours_impls:
+        ddp = summaries["ddp"]
         lines.append("")
-        lines.append(f"{'ratio':24s}{'myfsdp/ddp':>16s}")
-        for title, key in (("step time (median)", "step_time_median_s"), ("step time (min)", "step_time_min_s")):
-            lines.append(f"{title:24s}{ours[key] / ddp[key]:>16.2f}")
-        lines.append(f"{'params+grads+optim':24s}{ours['state_bytes']['total'] / ddp['state_bytes']['total']:>16.2f}")
+        lines.append(f"{'ratio':24s}" + "".join(f"{impl + '/ddp':>20s}" for impl in ours_impls))
+        ratio_rows: list[tuple[str, Any]] = [
+            ("step time (median)", lambda s: s["step_time_median_s"] / ddp["step_time_median_s"]),
+            ("step time (min)", lambda s: s["step_time_min_s"] / ddp["step_time_min_s"]),
+            ("params+grads+optim", lambda s: s["state_bytes"]["total"] / ddp["state_bytes"]["total"]),
+            ("peak RSS (median)", lambda s: s["peak_rss_median_bytes"] / ddp["peak_rss_median_bytes"]),
+        ]
+        for title, ratio in ratio_rows:
+            lines.append(f"{title:24s}" + "".join(f"{ratio(summaries[impl]):>20.2f}" for impl in ours_impls))
         rtol = LOSS_RTOL["fp32"]
-        for step, (mine, theirs) in enumerate(zip(ours["loss_curve"], ddp["loss_curve"], strict=True)):
-            if abs(mine - theirs) > rtol * abs(theirs):
-                lines.append(f"WARNING: losses disagree at step {step + 1}: myfsdp {mine:.6f} vs ddp {theirs:.6f}")
-                break
-        else:
-            lines.append(
-                f"losses agree at every step (rtol {rtol:g}): " + " ".join(f"{x:.4f}" for x in ddp["loss_curve"])
-            )
+        for impl in ours_impls:
+            pairs = zip(summaries[impl]["loss_curve"], ddp["loss_curve"], strict=True)
+            bad = next(((i, m, t) for i, (m, t) in enumerate(pairs) if abs(m - t) > rtol * abs(t)), None)
+            if bad is not None:
+                lines.append(f"WARNING: losses disagree at step {bad[0] + 1}: {impl} {bad[1]:.6f} vs ddp {bad[2]:.6f}")
+            else:
+                lines.append(f"{impl}: losses agree with ddp at every step (rtol {rtol:g})")
+        lines.append("ddp losses: " + " ".join(f"{x:.4f}" for x in ddp["loss_curve"]))
     for impl, s in summaries.items():
         if not s["loss_same_every_run"]:
             lines.append(f"WARNING: {impl} is not deterministic: its losses differ between runs")
@@ -251,11 +272,11 @@ def main(argv: list[str] | None = None) -> None:
         run_one(args)
         exit_now()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
     source = source_state()
-    records: dict[str, list[dict[str, Any]]] = {impl: [] for impl in IMPLS}
+    records: dict[str, list[dict[str, Any]]] = {impl: [] for impl in args.impls}
     failures: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
-            for impl in IMPLS:
+            for impl in args.impls:
                 start = time.monotonic()
                 out = Path(tmp) / f"{impl}_{round_index}.json"
                 outcome = spawn(impl, args, out)

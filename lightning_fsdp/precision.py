@@ -8,8 +8,10 @@ What each setting means here:
 
 - ``"32-true"``: everything fp32; no engine policy.
 - ``"bf16-mixed"`` / ``"16-mixed"``: the engine gathers parameters, reduces gradients and keeps buffers in the
-  half type, while the sharded parameters the optimizer steps stay fp32 (master weights). ``"16-mixed"`` also
-  scales the loss with :class:`ShardedGradScaler`.
+  half type, while the sharded parameters the optimizer steps stay fp32 (master weights). Floating-point inputs of
+  every unit are cast to the half type (torch FSDP's ``cast_root_forward_inputs``, so a float batch meets half
+  weights in the half type), and the step runs under ``torch.autocast`` in the half type, as under Lightning's FSDP
+  plugin. ``"16-mixed"`` also scales the loss with :class:`ShardedGradScaler`.
 - ``"bf16-true"`` / ``"16-true"``: the model itself is converted to the half type; no master weights.
 
 Lightning turns ``Trainer(precision="16-mixed", accelerator="cpu")`` into ``"bf16-mixed"`` (with a warning) before
@@ -84,14 +86,18 @@ class FSDPPrecision(Precision):
     Args:
         precision: one of ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ``"16-true"``.
         scaler: the loss scaler for ``"16-mixed"``; a :class:`ShardedGradScaler` with torch's defaults when None.
+        device: the device type ``torch.autocast`` runs on under ``"-mixed"``; the strategy sets its own at setup.
     """
 
-    def __init__(self, precision: PrecisionName, scaler: ShardedGradScaler | None = None) -> None:
+    def __init__(
+        self, precision: PrecisionName, scaler: ShardedGradScaler | None = None, device: str | None = None
+    ) -> None:
         if precision not in SUPPORTED_PRECISIONS:
             raise ValueError(_unsupported(precision))
         if scaler is not None and precision != "16-mixed":
             raise ValueError(f"precision={precision!r} does not scale the loss; pass scaler only with '16-mixed'.")
         self.precision = precision
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.scaler = scaler if scaler is not None or precision != "16-mixed" else ShardedGradScaler()
         half_name, _, kind = precision.partition("-")
         self._half_dtype = _HALF_TYPES.get(half_name)
@@ -99,12 +105,20 @@ class FSDPPrecision(Precision):
         self._model_dtype = self._half_dtype if kind == "true" and self._half_dtype is not None else torch.float32
 
     @property
-    def mixed_precision_config(self) -> EngineMixedPrecision | None:
-        """The engine policy for ``"-mixed"`` settings: gather, reduce and keep buffers in the half type."""
+    def mixed_precision_config(self) -> EngineMixedPrecision:
+        """The dtypes parameters are computed in, gradients reduced in and buffers kept in, as Lightning's plugin
+        reports them: the half type for ``"bf16-*"`` and ``"16-*"``, fp32 for ``"32-true"``."""
+        dtype = self._half_dtype or torch.float32
+        return EngineMixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
+
+    @property
+    def engine_mixed_precision(self) -> EngineMixedPrecision | None:
+        """The engine policy for ``"-mixed"``: gather, reduce and keep buffers in the half type, casting units'
+        floating-point inputs to it. None otherwise: under ``"-true"`` the model itself already has the dtype."""
         if self._half_dtype is None or not self.precision.endswith("-mixed"):
             return None
         dtype = self._half_dtype
-        return EngineMixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
+        return EngineMixedPrecision(dtype, dtype, dtype, cast_forward_inputs=True)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -120,8 +134,10 @@ class FSDPPrecision(Precision):
 
     @override
     def forward_context(self) -> AbstractContextManager:
-        # "-mixed": the engine casts parameters as it gathers them; no autocast on top, so the compute dtype is the
-        # policy's and nothing else. "-true": new tensors made inside the step take the model's dtype.
+        # "-mixed": autocast, as Lightning's FSDP plugin, for the ops that mix the half weights with fp32 tensors the
+        # step makes itself (targets, masks). "-true": new tensors made inside the step take the model's dtype.
+        if self._half_dtype is not None and self.precision.endswith("-mixed"):
+            return torch.autocast(self.device, dtype=self._half_dtype)
         return self._model_dtype_context()
 
     def _model_dtype_context(self) -> AbstractContextManager:

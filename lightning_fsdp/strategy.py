@@ -2,13 +2,17 @@
 
 The Trainer calls a strategy in a fixed order; this one fills the steps in as follows.
 
-- ``__init__``: every argument checked, with one sentence that says what to change. Class-path strings in the
-  policies are imported here, so a YAML typo fails at once.
+- ``__init__``: every argument checked, with one sentence that says what to change: Lightning's own arguments and
+  the torch-FSDP keywords it forwards (read in ``lightning_arguments.py``). Class-path strings in the policies are
+  imported here, so a YAML typo fails at once.
 - ``setup_environment``: ranks from Lightning's cluster environment (its subprocess launcher, torchrun, SLURM, ...),
   the HYBRID_SHARD mesh checked against the world size, then ``init_process_group`` with the strategy's timeout, so
   every collective of the run -- the engine's included -- fails after that long instead of hanging.
-- ``setup``: dtype conversion (precision plugin), the move to the device, ``fully_shard`` in place; only then the
-  optimizers, which therefore hold the shards. A later stage (``validate`` after ``fit``) reuses the sharded model.
+- ``configure_model`` runs on the CPU with real weights (``model_sharded_context``), on the meta device only when an
+  empty init was asked for.
+- ``setup``: dtype conversion (precision plugin), sync batchnorm, the move to the device, ``fully_shard`` in place
+  with the user's policy or the model's repeated blocks; only then the optimizers, which therefore hold the shards.
+  A later stage (``validate`` after ``fit``) reuses the sharded model.
 - ``training_step`` and the other steps: always through Lightning's forward redirection (see ``_redirect``).
 - ``block_backward_sync``: gradient accumulation, reducing every micro-batch unless told otherwise.
 - Checkpoints: one full file from rank 0 or one sharded folder from every rank (``lightning_fsdp/checkpoint``).
@@ -38,7 +42,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -50,10 +54,15 @@ from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_check
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded
 from lightning_fsdp.checkpoint_io import atomic_checkpoint_io
 from lightning_fsdp.engine import MixedPrecision, apply_activation_checkpointing, fully_shard, no_sync
+from lightning_fsdp.engine.deferred_init import track_meta_build
+from lightning_fsdp.engine.options import parse_cpu_offload
+from lightning_fsdp.engine.policies import as_wrap_policy, repeated_block_class, select_unit_modules
 from lightning_fsdp.engine.registry import unit_of
 from lightning_fsdp.engine.state_dict import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict
+from lightning_fsdp.lightning_arguments import activation_checkpointing_alias, refuse_unknown_keywords, split_ignored
 from lightning_fsdp.precision import FSDPPrecision, as_fsdp_precision
 from lightning_fsdp.summary import use_full_size_summaries
+from lightning_fsdp.sync_batchnorm import for_device
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -66,9 +75,11 @@ WrapPolicy = Callable[[nn.Module, bool, int], bool]
 # str first and the callable last: jsonargparse then keeps class paths from a YAML config as strings (which the
 # saved config.yaml can write back out) instead of importing them itself or reading one as "build a Block".
 Policy = Iterable[str | type[nn.Module]] | str | type[nn.Module] | WrapPolicy | None
-ShardingName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+ShardingName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
 
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+WHOLE_MODEL = "whole_model"  # auto_wrap_policy: the whole model as one unit, on purpose
 BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST")
 STATE_DICT_TYPES = ("full", "sharded")
 
@@ -85,13 +96,19 @@ class FSDPStrategy(ParallelStrategy):
             ``Trainer(precision=...)`` (see :mod:`lightning_fsdp.precision`).
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default NCCL on CUDA, gloo otherwise.
         timeout: how long any collective may wait before the run fails (a dead rank must not hang the others).
-        cpu_offload: keep the sharded parameters, gradients and optimizer state in CPU memory.
-        mixed_precision: an explicit engine ``MixedPrecision``; by default derived from ``Trainer(precision=...)``.
+        cpu_offload: keep the sharded parameters, gradients and optimizer state in CPU memory: True, False, None
+            (off) or torch's ``CPUOffload(offload_params=...)``.
+        mixed_precision: an explicit ``MixedPrecision``, ours or torch's ``torch.distributed.fsdp.MixedPrecision``
+            (its fields are read); by default derived from ``Trainer(precision=...)``.
         auto_wrap_policy: which modules become sharding units: a set of module classes, their import paths as
             strings (``"lightning_fsdp.demos.gpt.Block"``, for YAML configs), or a callable
-            ``(module, recurse, nonwrapped_numel) -> bool``. None makes the whole model one unit.
+            ``(module, recurse, nonwrapped_numel) -> bool`` (torch's policies, ``ModuleWrapPolicy`` included). None
+            (the default): the model's repeated blocks, found and logged at setup; ``"whole_model"``: one unit. A
+            policy that selects nothing leaves the whole model one unit, with a warning.
+        activation_checkpointing: deprecated, as in Lightning: the classes of ``activation_checkpointing_policy``.
         activation_checkpointing_policy: which modules recompute their activations in backward; same forms.
-        sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"NO_SHARD"`` or ``"HYBRID_SHARD"``.
+        sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, ``"HYBRID_SHARD"`` or
+            ``"_HYBRID_SHARD_ZERO2"`` (SHARD_GRAD_OP inside each shard group), or torch's enum members.
         state_dict_type: ``"full"`` (one file, gathered on rank 0) or ``"sharded"`` (one folder).
         device_mesh: ``(replicate, shard)`` sizes, or a 2-D ``DeviceMesh``, for ``HYBRID_SHARD`` only; by default
             shard within a node and replicate across nodes.
@@ -101,6 +118,14 @@ class FSDPStrategy(ParallelStrategy):
         sync_module_states: broadcast rank 0's parameters and buffers at setup.
         param_init_fn: initializes a module materialized from the meta device, instead of its
             ``reset_parameters()``.
+        process_group: the ranks to shard over (torch's keyword); the whole world by default.
+        ignored_modules, ignored_states: modules (and, in ``ignored_states``, parameters) left whole on every rank,
+            their gradients not reduced, as with torch's FSDP.
+        use_orig_params: accepted for Lightning configs; our parameters always keep their names and identity.
+        device_id: accepted when it names this rank's own device (where the strategy shards anyway).
+        empty_init: build ``configure_model``'s modules on the meta device, materialized unit by unit in setup
+            (lowest peak memory; initialization by ``reset_parameters()`` or ``param_init_fn``). By default
+            ``configure_model`` runs on the real device, as in Lightning.
         sync_grads_each_micro_batch: with ``accumulate_grad_batches > 1``, reduce-scatter every micro-batch's
             gradients (the default: memory stays sharded) or, when False, keep the full unreduced gradients until the
             last micro-batch and reduce once (less communication, the gradient memory of an unsharded model).
@@ -110,6 +135,8 @@ class FSDPStrategy(ParallelStrategy):
         save_trainable_only: checkpoints hold only the parameters that require gradients (and, as always, the
             optimizer state, which only they have): an adapter's few MB instead of the whole model. Resuming from one
             leaves the other parameters as the model has them -- build it with its base weights first.
+        **kwargs: anything else is refused with a sentence: the torch-FSDP keywords Lightning forwards are all
+            named arguments above.
     """
 
     strategy_name = "myfsdp"
@@ -123,9 +150,10 @@ class FSDPStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        cpu_offload: bool = False,
-        mixed_precision: MixedPrecision | None = None,
+        cpu_offload: bool | Any | None = None,
+        mixed_precision: MixedPrecision | Any | None = None,
         auto_wrap_policy: Policy = None,
+        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
         activation_checkpointing_policy: Policy = None,
         sharding_strategy: ShardingName | Enum = "FULL_SHARD",
         state_dict_type: Literal["full", "sharded"] = "full",
@@ -135,10 +163,18 @@ class FSDPStrategy(ParallelStrategy):
         limit_all_gathers: bool = True,
         sync_module_states: bool = False,
         param_init_fn: Callable[[nn.Module], None] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
+        use_orig_params: bool = True,
+        device_id: int | torch.device | None = None,
+        empty_init: bool = False,
         sync_grads_each_micro_batch: bool = True,
         trust_checkpoint: bool = False,
         save_trainable_only: bool = False,
+        **kwargs: Any,
     ) -> None:
+        refuse_unknown_keywords(kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -160,20 +196,33 @@ class FSDPStrategy(ParallelStrategy):
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not supported; use 'full' or 'sharded'.")
         self.state_dict_type = state_dict_type
+        if process_group is not None and device_mesh is not None:
+            raise ValueError(
+                "process_group= and device_mesh= are mutually exclusive; pass the mesh alone for HYBRID_SHARD, or the "
+                "process group alone to shard over its ranks."
+            )
+        self.process_group = _check_process_group(process_group)
         self.device_mesh = _check_device_mesh(device_mesh, self.sharding_strategy)
         self.auto_wrap_policy = resolve_policy(auto_wrap_policy, "auto_wrap_policy")
         self.activation_checkpointing_policy = resolve_policy(
-            activation_checkpointing_policy, "activation_checkpointing_policy"
+            activation_checkpointing_alias(activation_checkpointing, activation_checkpointing_policy),
+            "activation_checkpointing_policy",
         )
         self.mixed_precision = _check_mixed_precision(mixed_precision)
         if param_init_fn is not None and not callable(param_init_fn):
             raise ValueError(f"param_init_fn must be a callable taking a module, got {param_init_fn!r}.")
         self.param_init_fn = param_init_fn
-        self.cpu_offload = _flag("cpu_offload", cpu_offload)
+        self.cpu_offload = parse_cpu_offload(cpu_offload)
         self.forward_prefetch = _flag("forward_prefetch", forward_prefetch)
         self.limit_all_gathers = _flag("limit_all_gathers", limit_all_gathers)
         self.sync_module_states = _flag("sync_module_states", sync_module_states)
+        self.use_orig_params = _flag("use_orig_params", use_orig_params)
+        self.empty_init = _flag("empty_init", empty_init)
         self.sync_grads_each_micro_batch = _flag("sync_grads_each_micro_batch", sync_grads_each_micro_batch)
+        self.ignored_modules, self.ignored_params = split_ignored(ignored_modules, ignored_states)
+        if device_id is not None and not isinstance(device_id, int | torch.device):
+            raise ValueError(f"device_id must be a device index or a torch.device, got {device_id!r}.")
+        self.device_id = device_id
         self._hybrid_mesh: tuple[int, int] | DeviceMesh | None = None  # fixed in setup_environment
         self.trust_checkpoint = _flag("trust_checkpoint", trust_checkpoint)
         self.save_trainable_only = _flag("save_trainable_only", save_trainable_only)
@@ -230,8 +279,9 @@ class FSDPStrategy(ParallelStrategy):
         self._precision_plugin = None if precision_plugin is None else as_fsdp_precision(precision_plugin)
 
     @property
-    def mixed_precision_config(self) -> MixedPrecision | None:
-        """The engine's mixed-precision policy: the explicit ``mixed_precision`` or the precision plugin's."""
+    def mixed_precision_config(self) -> Any:
+        """As Lightning's: the explicit ``mixed_precision`` as given (ours or torch's), else the precision plugin's
+        dtypes (see :attr:`FSDPPrecision.mixed_precision_config`)."""
         if self.mixed_precision is not None:
             return self.mixed_precision
         return self.precision_plugin.mixed_precision_config
@@ -268,7 +318,7 @@ class FSDPStrategy(ParallelStrategy):
 
     def _mesh_for_world(self) -> tuple[int, int] | DeviceMesh | None:
         """The HYBRID_SHARD layout, checked against the world size before any process group exists."""
-        if self.sharding_strategy != "HYBRID_SHARD":
+        if self.sharding_strategy not in HYBRID_STRATEGIES:
             return None
         mesh = self.device_mesh if self.device_mesh is not None else (self.num_nodes, self.num_processes)
         shape = tuple(mesh.shape) if isinstance(mesh, DeviceMesh) else mesh
@@ -286,20 +336,31 @@ class FSDPStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if self._layer_sync is not None:
-            raise ValueError(
-                "Trainer(sync_batchnorm=True) is not supported with FSDPStrategy; convert the model with "
-                "torch.nn.SyncBatchNorm.convert_sync_batchnorm before fit instead."
-            )
+        self._check_device_id()
         if unit_of(self._module()) is None:
             self.model = self.precision_plugin.convert_module(self._module())
+            if self._layer_sync is not None:
+                self.model = for_device(self._layer_sync, self.root_device).apply(self.model)
             self.model_to_device()
             self.model = self._setup_model(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self.precision_plugin.device = self.root_device.type
         use_full_size_summaries(trainer)
+
+    def _check_device_id(self) -> None:
+        """torch's ``device_id`` names the device to shard on; here that is the rank's own device, so another is an
+        error rather than silently ignored."""
+        if self.device_id is None:
+            return
+        wanted = torch.device("cuda", self.device_id) if isinstance(self.device_id, int) else self.device_id
+        if wanted != self.root_device:
+            raise ValueError(
+                f"device_id={self.device_id!r} differs from this rank's device {self.root_device}; leave device_id "
+                "unset, the strategy shards every rank on its own device."
+            )
 
     @override
     def model_to_device(self) -> None:
@@ -314,7 +375,7 @@ class FSDPStrategy(ParallelStrategy):
         """Shard ``model`` in place (names and structure unchanged), then apply activation checkpointing."""
         fully_shard(
             model,
-            self.auto_wrap_policy,
+            self._wrap_policy(model),
             sharding_strategy=self.sharding_strategy,
             backward_prefetch=self.backward_prefetch,
             forward_prefetch=self.forward_prefetch,
@@ -325,20 +386,54 @@ class FSDPStrategy(ParallelStrategy):
             apply_activation_checkpointing(model, self.activation_checkpointing_policy)
         return model
 
+    def _wrap_policy(self, model: nn.Module) -> WrapPolicy | set[type[nn.Module]] | None:
+        """The policy the engine gets: the user's, or the model's repeated blocks when none was given (see
+        :func:`_default_policy`). A policy that selects no submodule leaves the root as the only unit, with a
+        warning, as Lightning's FSDP trains such a model as one unit."""
+        policy = self.auto_wrap_policy
+        if policy == WHOLE_MODEL:
+            return None
+        if policy is None:
+            return _default_policy(model)
+        ignored = {id(m) for root in self.ignored_modules for m in root.modules()}
+        selected = select_unit_modules(
+            model, as_wrap_policy(policy), lambda m: unit_of(m) is not None, lambda m: id(m) in ignored
+        )
+        if not selected:
+            rank_zero_warn(
+                f"the auto_wrap_policy {policy!r} selects no submodule of {type(model).__name__}, so the whole model "
+                "is one unit, gathered whole in forward and backward; pass the classes of its repeated blocks to "
+                f"shard it unit by unit, or auto_wrap_policy={WHOLE_MODEL!r} to silence this."
+            )
+            return None
+        return policy
+
     def _engine_options(self) -> dict[str, Any]:
         """The engine options that are set away from their defaults; the engine's defaults stay its own."""
         options: dict[str, Any] = {}
-        if (mixed_precision := self.mixed_precision_config) is not None:
+        if (mixed_precision := self._engine_mixed_precision()) is not None:
             options["mixed_precision"] = mixed_precision
         if self.cpu_offload:
             options["cpu_offload"] = True
         if self._hybrid_mesh is not None:
             options["device_mesh"] = self._hybrid_mesh
+        if self.process_group is not None:
+            options["process_group"] = self.process_group
         if self.sync_module_states:
             options["sync_module_states"] = True
         if self.param_init_fn is not None:
             options["param_init_fn"] = self.param_init_fn
+        if self.ignored_modules:
+            options["ignored_modules"] = self.ignored_modules
+        if self.ignored_params:
+            options["ignored_params"] = self.ignored_params
         return options
+
+    def _engine_mixed_precision(self) -> MixedPrecision | None:
+        """The explicit ``mixed_precision`` (ours, or torch's read by field), else the precision plugin's policy."""
+        if self.mixed_precision is not None:
+            return MixedPrecision.coerce(self.mixed_precision)
+        return self.precision_plugin.engine_mixed_precision
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -348,16 +443,23 @@ class FSDPStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """``empty_init=True`` creates modules on the meta device: no memory until setup materializes them unit by
-        unit. Otherwise they are created on the CPU, as with Lightning's FSDP, and reach the device in setup."""
-        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+        """``empty_init=True`` (``trainer.init_module(empty_init=True)``) creates modules on the meta device: no
+        memory until setup materializes them unit by unit. Otherwise they are created on the CPU, as with Lightning's
+        FSDP, and reach the device in setup. (``configure_model`` also runs inside this, with ``empty_init=None``.)"""
+        with self._meta_build() if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` runs inside this: the modules it builds land on the meta device (deferred init)."""
-        with torch.device("meta"):
+        """``configure_model`` runs inside this: on the real device as in Lightning's FSDP, so weights set there
+        (a custom init, pretrained weights) survive sharding; on the meta device only with ``empty_init=True``."""
+        with self._meta_build() if self.empty_init else nullcontext():
+            yield
+
+    @contextmanager
+    def _meta_build(self) -> Generator[None, None, None]:
+        with torch.device("meta"), track_meta_build():
             yield
 
     # ----- the steps ------------------------------------------------------------------------------------------------
@@ -577,11 +679,38 @@ def _weights_only_given_to_the_trainer() -> bool | None:
     return None
 
 
-def resolve_policy(policy: Policy, argument: str) -> WrapPolicy | set[type[nn.Module]] | None:
+def _default_policy(model: nn.Module) -> set[type[nn.Module]] | None:
+    """With no ``auto_wrap_policy``, each of the model's repeated blocks becomes a unit.
+
+    One unit for the whole model would gather all of it in forward and backward: more memory than DDP. The blocks
+    (:func:`~lightning_fsdp.engine.policies.repeated_block_class`) are what a user would name; the choice is logged
+    once per model class, with how to override it.
+    """
+    block = repeated_block_class(model)
+    if (type(model), block) not in _REPORTED_DEFAULTS:
+        _REPORTED_DEFAULTS.add((type(model), block))
+        if block is None:
+            rank_zero_info(
+                f"FSDPStrategy: {type(model).__name__} has no repeated blocks holding most of its parameters, so it is "
+                "sharded as one unit; pass auto_wrap_policy={YourBlock} to shard it unit by unit."
+            )
+        else:
+            rank_zero_info(
+                f"FSDPStrategy: no auto_wrap_policy given, so each {block.__module__}.{block.__qualname__} of "
+                f"{type(model).__name__} becomes a sharding unit; pass auto_wrap_policy={{...}} to choose others, or "
+                f"auto_wrap_policy={WHOLE_MODEL!r} for one unit."
+            )
+    return None if block is None else {block}
+
+
+_REPORTED_DEFAULTS: set[tuple[type[nn.Module], type[nn.Module] | None]] = set()
+
+
+def resolve_policy(policy: Policy, argument: str) -> WrapPolicy | set[type[nn.Module]] | str | None:
     """A policy as the engine takes it: None, a callable, or a set of module classes (strings imported)."""
     if isinstance(policy, nn.Module):
         raise ValueError(f"{argument} holds a {type(policy).__name__} instance; pass its class (or import path).")
-    if policy is None or (callable(policy) and not isinstance(policy, type)):
+    if policy is None or policy == WHOLE_MODEL or (callable(policy) and not isinstance(policy, type)):
         return policy
     items = [policy] if isinstance(policy, str | type) else policy
     if not isinstance(items, Iterable):
@@ -625,7 +754,7 @@ def _flag(argument: str, value: object) -> bool:
 def _check_device_mesh(device_mesh: object, sharding_strategy: str) -> tuple[int, int] | DeviceMesh | None:
     if device_mesh is None:
         return None
-    if sharding_strategy != "HYBRID_SHARD":
+    if sharding_strategy not in HYBRID_STRATEGIES:
         raise ValueError(
             f"device_mesh={device_mesh!r} only applies to sharding_strategy='HYBRID_SHARD' (got "
             f"{sharding_strategy!r}); remove it or switch to HYBRID_SHARD."
@@ -644,15 +773,26 @@ def _check_device_mesh(device_mesh: object, sharding_strategy: str) -> tuple[int
     )
 
 
-def _check_mixed_precision(mixed_precision: object) -> MixedPrecision | None:
-    if mixed_precision is None:
-        return None
-    if not isinstance(mixed_precision, MixedPrecision):
+def _check_mixed_precision(mixed_precision: object) -> Any:
+    """Ours or torch's ``MixedPrecision``, kept as given (``mixed_precision_config`` returns it, as Lightning's does);
+    the engine reads torch's fields when it shards."""
+    try:
+        MixedPrecision.coerce(mixed_precision)
+    except TypeError:
         raise ValueError(
-            f"mixed_precision must be a lightning_fsdp.MixedPrecision, got {type(mixed_precision).__name__}; or leave "
-            "it None and set Trainer(precision='bf16-mixed')."
-        )
+            f"mixed_precision must be a lightning_fsdp.MixedPrecision or torch.distributed.fsdp.MixedPrecision, got "
+            f"{type(mixed_precision).__name__}; or leave it None and set Trainer(precision='bf16-mixed')."
+        ) from None
     return mixed_precision
+
+
+def _check_process_group(process_group: object) -> dist.ProcessGroup | None:
+    if process_group is None or isinstance(process_group, dist.ProcessGroup):
+        return process_group
+    raise ValueError(
+        f"process_group must be one torch.distributed.ProcessGroup, got {type(process_group).__name__}; for "
+        "HYBRID_SHARD pass device_mesh=(replicate, shard) instead of a (shard, replicate) pair of groups."
+    )
 
 
 def _check_optimizers_hold_shards(optimizers: list[Optimizer], module: nn.Module) -> None:

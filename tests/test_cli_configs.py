@@ -36,6 +36,8 @@ OVERRIDES = {
     "demo.yaml": [],
     "finetune_frozen.yaml": [],
     "cuda_bf16.yaml": ON_TWO_CPU_PROCESSES,
+    # Lightning's FSDP arguments (null defaults, deprecated alias, torch-FSDP keywords); hybrid over a (1, 2) mesh.
+    "from_lightning_fsdp.yaml": [*ON_TWO_CPU_PROCESSES, "--trainer.strategy.init_args.device_mesh", "[1, 2]"],
     "hybrid_multinode.yaml": [
         *ON_TWO_CPU_PROCESSES,
         *("--trainer.num_nodes", "1", "--trainer.strategy.init_args.device_mesh", "[1, 2]"),
@@ -122,6 +124,6 @@ def test_finetune_starts_from_the_demo_checkpoint(demo_run: Run, workdir: Path) 
     assert re.search(r"Non-trainable params: [1-9]", run.output), run.output  # the frozen parameters
 
 
-@pytest.mark.parametrize("config", ["cuda_bf16.yaml", "hybrid_multinode.yaml"])
+@pytest.mark.parametrize("config", ["cuda_bf16.yaml", "hybrid_multinode.yaml", "from_lightning_fsdp.yaml"])
 def test_accelerator_configs_run_on_two_cpu_processes(config: str, workdir: Path) -> None:
     run_fit(config, workdir)

@@ -61,11 +61,15 @@ def test_trainer_precision_maps_onto_the_engine(
 ) -> None:
     strategy = cpu_trainer("myfsdp", precision=precision).strategy
     assert isinstance(strategy.precision_plugin, FSDPPrecision)
-    config = strategy.mixed_precision_config
+    config = strategy.mixed_precision_config  # as Lightning reports it: the compute dtype, always
+    compute_dtype = engine_dtype or model_dtype
+    assert (config.param_dtype, config.reduce_dtype, config.buffer_dtype) == (compute_dtype,) * 3
+    engine = strategy.precision_plugin.engine_mixed_precision  # what the engine gets: a policy for "-mixed" only
     if engine_dtype is None:
-        assert config is None
+        assert engine is None
     else:
-        assert (config.param_dtype, config.reduce_dtype, config.buffer_dtype) == (engine_dtype,) * 3
+        assert (engine.param_dtype, engine.reduce_dtype, engine.buffer_dtype) == (engine_dtype,) * 3
+        assert engine.cast_forward_inputs  # a float batch meets the half weights in the half type
     assert strategy.precision_plugin.convert_module(torch.nn.Linear(2, 2)).weight.dtype == model_dtype
 
 
@@ -122,7 +126,7 @@ def test_an_unsupported_precision(precision: str) -> None:
         ({"state_dict_type": "shards"}, ["state_dict_type='shards'", "'full'"]),
         ({"device_mesh": (1, 2)}, ["device_mesh=(1, 2)", "HYBRID_SHARD"]),
         ({"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 0)}, ["(replicate, shard)"]),
-        ({"cpu_offload": "yes"}, ["cpu_offload must be True or False"]),
+        ({"cpu_offload": "yes"}, ["cpu_offload must be True, False, None or", "CPUOffload"]),
         ({"sync_grads_each_micro_batch": 1}, ["sync_grads_each_micro_batch"]),
         ({"timeout": 20}, ["timeout must be a datetime.timedelta"]),
         ({"auto_wrap_policy": set()}, ["auto_wrap_policy is an empty set"]),
@@ -156,3 +160,66 @@ def test_good_arguments_pass() -> None:
         (1, 2),
         None,
     )
+
+
+def test_lightning_forms_of_the_arguments() -> None:
+    """Lightning's and torch's forms: the objects are read by field, the engine gets its own forms."""
+    from torch.distributed.fsdp import CPUOffload
+    from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+
+    torch_config = TorchMixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    strategy = FSDPStrategy(mixed_precision=torch_config, cpu_offload=CPUOffload(offload_params=True))
+    assert strategy.mixed_precision_config is torch_config  # as Lightning reports it
+    engine = strategy._engine_mixed_precision()
+    assert (engine.param_dtype, engine.reduce_dtype, engine.buffer_dtype) == (torch.bfloat16, torch.float32, None)
+    assert engine.cast_forward_inputs  # torch's cast_root_forward_inputs, on by default there
+    assert strategy.cpu_offload is True and FSDPStrategy(cpu_offload=None).cpu_offload is False
+    linear, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    strategy = FSDPStrategy(ignored_states=[linear, other.weight])
+    assert (strategy.ignored_modules, strategy.ignored_params) == ([linear], [other.weight])
+    with pytest.raises(ValueError) as error:
+        FSDPStrategy(mixed_precision=TorchMixedPrecision(keep_low_precision_grads=True))
+    assert "keep_low_precision_grads" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragments"),
+    [
+        ({"auto_wrap": True}, ["auto_wrap=True", "has no meaning for lightning_fsdp", "auto_wrap_policy"]),
+        ({"ignored_modules": [torch.nn.Linear(2, 2)], "ignored_states": []}, ["ignored_states alone"]),
+        ({"ignored_states": ["layer"]}, ["ignored_states holds a str"]),
+        ({"device_id": "cuda"}, ["device_id must be a device index"]),
+        ({"use_orig_params": "yes"}, ["use_orig_params must be True or False"]),
+        ({"process_group": 3}, ["process_group must be one torch.distributed.ProcessGroup"]),
+    ],
+)
+def test_lightning_arguments_are_checked(kwargs: dict, fragments: list[str]) -> None:
+    with pytest.raises(ValueError) as error:
+        FSDPStrategy(**kwargs)
+    assert_one_sentence(error, *fragments)
+
+
+def test_the_default_units_are_the_repeated_blocks(caplog: pytest.LogCaptureFixture) -> None:
+    from lightning_fsdp.demos.gpt import GPT, GPTConfig
+
+    gpt = GPT(GPTConfig(n_layer=3, n_embd=32, n_head=2))
+    with caplog.at_level("INFO"):
+        assert FSDPStrategy()._wrap_policy(gpt) == {Block}
+        assert FSDPStrategy()._wrap_policy(gpt) == {Block}  # told once per model class
+    told = [r.getMessage() for r in caplog.records if "becomes a sharding unit" in r.getMessage()]
+    assert len(told) == 1 and "lightning_fsdp.demos.gpt.Block" in told[0] and "whole_model" in told[0]
+    assert FSDPStrategy(auto_wrap_policy="whole_model")._wrap_policy(gpt) is None
+    assert FSDPStrategy()._wrap_policy(torch.nn.Linear(4, 4)) is None  # nothing repeated: one unit
+
+
+def test_a_size_policy_that_selects_nothing_leaves_one_unit_with_a_warning() -> None:
+    from functools import partial
+
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    strategy = FSDPStrategy(auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=int(1e8)))
+    with pytest.warns(UserWarning, match="selects no submodule of Sequential, so the whole model is one unit"):
+        assert strategy._wrap_policy(model) is None
+    small = FSDPStrategy(auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=100))
+    assert small._wrap_policy(model) is small.auto_wrap_policy  # selects the first Linear: kept as given

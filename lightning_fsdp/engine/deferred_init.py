@@ -7,18 +7,77 @@ an eager ``__init__`` creates and initialises them in, so a seeded meta build ge
 Whenever a unit's last parameter is ready the caller shards it, so the full tensors alive at any moment are one
 unit's plus whatever its ancestors have materialised so far -- not the whole model.
 
-A parameter shared by several modules (weight tying) is materialised once, under its first owner, and set on
-every owner, so the tie survives; later owners find it real and are not re-initialised.
+A parameter shared by several modules (weight tying) is materialised once and set on every owner, so the tie
+survives. It takes the init an eager build gives it: that of the module that created it (``lm_head`` in
+``wte.weight = lm_head.weight``), not of whichever owner comes first in module order. :func:`track_meta_build`
+records each meta parameter's creator (its first registration) while a model is built; every other owner still
+runs its initialiser, on a scratch tensor, so the random stream advances exactly as in the eager build, where each
+module initialised its own tensor before the tie replaced it. Without a record (a model built on the meta device
+outside that context) the first owner in module order initialises it.
+
+Loading a state dict into meta parameters would silently do nothing (copying into a tensor without storage), so
+modules built under :func:`track_meta_build` refuse it with the fix, unless ``assign=True`` replaces them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 ParamInitFn = Callable[[nn.Module], None]
+
+# id(meta parameter) -> (the parameter, its creator module), both weakly; see track_meta_build. Keyed by id because
+# tensors compare elementwise; a lookup checks that the parameter is still the same object.
+_CREATORS: dict[int, tuple[weakref.ref[nn.Parameter], weakref.ref[nn.Module]]] = {}
+_GUARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+@contextmanager
+def track_meta_build() -> Generator[None, None, None]:
+    """While a model is built on the meta device: remember which module created each parameter, and make every
+    module holding meta parameters refuse a ``load_state_dict`` that would be a silent no-op."""
+
+    def on_register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is None or not param.is_meta:
+            return
+        if _creator(param) is None:
+            _CREATORS[id(param)] = (weakref.ref(param), weakref.ref(module))
+        if module not in _GUARDED:
+            _GUARDED.add(module)
+            module.register_load_state_dict_pre_hook(_refuse_load_into_meta)
+
+    handle = register_module_parameter_registration_hook(on_register)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _refuse_load_into_meta(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict, *_: Any
+) -> None:
+    if local_metadata.get("assign_to_params_buffers", False):
+        return
+    meta = [
+        name for name, p in module._parameters.items() if p is not None and p.is_meta and prefix + name in state_dict
+    ]
+    if meta:
+        raise RuntimeError(
+            f"load_state_dict into {type(module).__name__}.{meta[0]} would do nothing: the module was built on the "
+            "meta device (empty init), where parameters have no storage; load the weights after sharding (a "
+            "checkpoint through the Trainer), build the model without empty init, or pass assign=True."
+        )
+
+
+def _creator(param: nn.Parameter) -> nn.Module | None:
+    record = _CREATORS.get(id(param))
+    return record[1]() if record is not None and record[0]() is param else None
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -52,23 +111,48 @@ def materialize(
     on_param_ready: Callable[[nn.Parameter, nn.Parameter], None],
 ) -> None:
     """Materialise and initialise every meta tensor under ``root``; report each parameter as (meta, real)."""
+    stand_ins = _tied_stand_ins(owners_of)
     for module in root.modules():
         param_names, buffer_names = _own_meta(module)
-        if not param_names and not buffer_names:
+        stand_in_names = stand_ins.get(id(module), [])
+        if not param_names and not buffer_names and not stand_in_names:
             continue
         for name in buffer_names:
             module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
         ready = []
         for name in param_names:
+            if name in stand_in_names:
+                continue
             meta = module._parameters[name]
             real = nn.Parameter(torch.empty_like(meta, device=device), requires_grad=meta.requires_grad)
             for owner, attr in owners_of.get(id(meta), [(module, name)]):
                 owner._parameters[attr] = real
             ready.append((meta, real))
+        shared = {name: module._parameters[name] for name in stand_in_names}
+        for name, param in shared.items():  # the eager build initialised this owner's own tensor, later replaced
+            module._parameters[name] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device))
         with torch.no_grad():
             if param_init_fn is not None:
                 param_init_fn(module)
             else:
                 module.reset_parameters()
+        for name in shared:
+            module._parameters[name] = shared[name]  # meta until its initialising owner, or already real
         for meta, real in ready:
             on_param_ready(meta, real)
+
+
+def _tied_stand_ins(owners_of: dict[int, list[tuple[nn.Module, str]]]) -> dict[int, list[str]]:
+    """For each module, the tied parameters it owns but does not initialise: every owner but the creator (the
+    first owner when no creator was recorded)."""
+    stand_ins: dict[int, list[str]] = {}
+    for owners in owners_of.values():
+        if len(owners) < 2:
+            continue
+        module, name = owners[0]
+        creator = _creator(module._parameters[name])
+        initialiser = creator if any(owner is creator for owner, _ in owners) else owners[0][0]
+        for owner, attr in owners:
+            if owner is not initialiser:
+                stand_ins.setdefault(id(owner), []).append(attr)
+    return stand_ins

@@ -35,7 +35,7 @@ def resolve_groups(
             "first, or launch the script with torchrun."
         )
     group = process_group if process_group is not None else dist.group.WORLD
-    if strategy is ShardingStrategy.HYBRID_SHARD:
+    if strategy.is_hybrid:
         mesh = _hybrid_mesh(device_mesh, group)
         return Groups(shard=mesh.get_group(1), replicate=mesh.get_group(0), sync=group)
     if device_mesh is not None:

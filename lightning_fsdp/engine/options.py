@@ -13,6 +13,11 @@ class ShardingStrategy(Enum):
     SHARD_GRAD_OP = "SHARD_GRAD_OP"  # parameters kept unsharded from forward to the end of backward; ZeRO-2
     NO_SHARD = "NO_SHARD"  # replicated parameters, all-reduced gradients; DDP
     HYBRID_SHARD = "HYBRID_SHARD"  # FULL_SHARD inside each shard group, replicated across groups
+    _HYBRID_SHARD_ZERO2 = "_HYBRID_SHARD_ZERO2"  # SHARD_GRAD_OP inside each shard group, replicated across groups
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
 class BackwardPrefetch(Enum):
@@ -23,6 +28,8 @@ class BackwardPrefetch(Enum):
 def _parse_enum(enum: type[Enum], value: object, argument: str) -> Enum:
     if isinstance(value, enum):
         return value
+    if isinstance(value, Enum):  # torch's own enums, by member name
+        value = value.name
     if isinstance(value, str) and value.upper() in enum.__members__:
         return enum[value.upper()]
     choices = ", ".join(repr(name) for name in enum.__members__)
@@ -52,9 +59,58 @@ class MixedPrecision:
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise ValueError(f"MixedPrecision.{name}={value!r} must be a floating-point torch.dtype or None.")
 
+    @staticmethod
+    def coerce(config: object) -> MixedPrecision | None:
+        """Ours as is, or the fields of ``torch.distributed.fsdp.MixedPrecision`` (read, never wrapped).
+
+        torch's ``cast_root_forward_inputs`` (on by default there) maps onto ``cast_forward_inputs``, which casts the
+        inputs of every unit -- the root's included -- to ``param_dtype``; its ``keep_low_precision_grads`` and
+        ``_module_classes_to_ignore`` must keep their defaults, since the engine has no such modes.
+        """
+        if config is None or isinstance(config, MixedPrecision):
+            return config
+        if not _is_torch_fsdp_object(config, "MixedPrecision"):
+            raise TypeError(
+                f"mixed_precision must be a lightning_fsdp.MixedPrecision or torch.distributed.fsdp.MixedPrecision, "
+                f"got {type(config).__name__}."
+            )
+        if getattr(config, "keep_low_precision_grads", False):
+            raise ValueError(
+                "MixedPrecision(keep_low_precision_grads=True) has no meaning here: gradients are always accumulated "
+                "into the fp32 shards the optimizer steps; drop the flag."
+            )
+        return MixedPrecision(
+            param_dtype=config.param_dtype,  # type: ignore[attr-defined]
+            reduce_dtype=config.reduce_dtype,  # type: ignore[attr-defined]
+            buffer_dtype=config.buffer_dtype,  # type: ignore[attr-defined]
+            cast_forward_inputs=bool(config.cast_forward_inputs or config.cast_root_forward_inputs),  # type: ignore[attr-defined]
+        )
+
     @property
     def effective_reduce_dtype(self) -> torch.dtype | None:
         return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
+
+
+def parse_cpu_offload(value: object) -> bool:
+    """``cpu_offload`` as a bool from the forms Lightning and torch accept: a bool, None (off) or
+    ``torch.distributed.fsdp.CPUOffload(offload_params=...)``, read by field."""
+    if value is None:
+        return False
+    if isinstance(value, bool):
+        return value
+    if _is_torch_fsdp_object(value, "CPUOffload") and isinstance(getattr(value, "offload_params", None), bool):
+        return value.offload_params  # type: ignore[attr-defined]
+    raise ValueError(
+        f"cpu_offload must be True, False, None or torch.distributed.fsdp.CPUOffload(offload_params=...), got "
+        f"{value!r}."
+    )
+
+
+def _is_torch_fsdp_object(value: object, class_name: str) -> bool:
+    """Whether ``value`` is torch FSDP's config class ``class_name``, told by name: the engine never imports
+    ``torch.distributed.fsdp``."""
+    cls = type(value)
+    return cls.__name__ == class_name and cls.__module__.startswith("torch.distributed.fsdp")
 
 
 @dataclass(frozen=True)
@@ -74,24 +130,20 @@ class ShardingOptions:
         backward_prefetch: str | BackwardPrefetch | None,
         forward_prefetch: bool,
         limit_all_gathers: bool,
-        mixed_precision: MixedPrecision | None,
-        cpu_offload: bool,
+        mixed_precision: object,
+        cpu_offload: object,
     ) -> ShardingOptions:
         strategy = _parse_enum(ShardingStrategy, sharding_strategy, "sharding_strategy")
         prefetch = (
             None if backward_prefetch is None else _parse_enum(BackwardPrefetch, backward_prefetch, "backward_prefetch")
         )
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(
-                f"mixed_precision must be a lightning_fsdp.MixedPrecision, got {type(mixed_precision).__name__}."
-            )
         return ShardingOptions(
             strategy,
             prefetch,
             bool(forward_prefetch),
             bool(limit_all_gathers),
-            mixed_precision or MixedPrecision(),
-            bool(cpu_offload),
+            MixedPrecision.coerce(mixed_precision) or MixedPrecision(),
+            parse_cpu_offload(cpu_offload),
         )
 
     @property
@@ -105,4 +157,4 @@ class ShardingOptions:
 
     @property
     def reshard_after_forward(self) -> bool:
-        return self.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+        return self.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)  # not ZERO2

@@ -105,3 +105,43 @@ def select_unit_modules(
 
     visit(root)
     return selected
+
+
+def repeated_block_class(root: nn.Module, min_share: float = 0.5) -> type[nn.Module] | None:
+    """The class of ``root``'s repeated blocks, the natural sharding units, or None when it has none worth it.
+
+    First choice: the class of the children of the container (``nn.ModuleList`` or ``nn.Sequential``) whose children
+    with parameters all share one class and hold the most parameters (a transformer's ``blocks``). Otherwise the
+    non-leaf class with the most instances (two or more). Either way the instances must hold at least ``min_share``
+    of the model's parameters: sharding a small part unit by unit saves little and costs collectives.
+    """
+    total = sum(p.numel() for p in root.parameters())
+    if total == 0:
+        return None
+
+    def numel(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    best: tuple[int, type[nn.Module]] | None = None
+    for container in root.modules():
+        if not isinstance(container, nn.ModuleList | nn.Sequential):
+            continue
+        blocks = [child for child in container.children() if numel(child) > 0]
+        classes = {type(child) for child in blocks}
+        if len(blocks) >= 2 and len(classes) == 1:
+            size = sum(numel(child) for child in blocks)
+            if best is None or size > best[0]:
+                best = (size, classes.pop())
+    if best is None:
+        counts: dict[type[nn.Module], list[nn.Module]] = {}
+        for module in root.modules():
+            if module is not root and any(True for _ in module.children()) and numel(module) > 0:
+                if not isinstance(module, nn.ModuleList | nn.ModuleDict | nn.Sequential):
+                    counts.setdefault(type(module), []).append(module)
+        repeated = [(len(ms), sum(map(numel, ms)), cls) for cls, ms in counts.items() if len(ms) >= 2]
+        if repeated:
+            _, size, cls = max(repeated, key=lambda item: (item[0], item[1]))
+            best = (size, cls)
+    if best is None or best[0] < min_share * total:
+        return None
+    return best[1]

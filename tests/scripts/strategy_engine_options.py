@@ -3,9 +3,14 @@
 Each case starts from seed 0 and the same data as the DDP reference, and rank 0 saves its full weights to
 OUT_DIR/<case>.pt:
 
-- cpu_offload, activation checkpointing, NO_SHARD, HYBRID_SHARD as (1, 2) by default and as (2, 1);
-- deferred init through ``trainer.init_module(empty_init=True)`` and through ``configure_model``: the engine
-  materializes the meta modules in module order after the strategy re-seeds, so it reproduces the eager init;
+- cpu_offload, activation checkpointing, NO_SHARD, HYBRID_SHARD as (1, 2) by default and as (2, 1),
+  _HYBRID_SHARD_ZERO2 (Lightning's name: SHARD_GRAD_OP inside the shard group);
+- deferred init through ``trainer.init_module(empty_init=True)`` and through ``configure_model`` with
+  ``FSDPStrategy(empty_init=True)``: the engine materializes the meta modules in module order after the strategy
+  re-seeds, so it reproduces the eager init (the GPT's tied embedding included);
+- ``configure_model`` by default, on the real device as in Lightning, and with "pretrained" weights loaded there
+  (``load_state_dict`` of another seed's GPT), against DDP running the same ``configure_model`` (ddp_pretrained);
+- no auto_wrap_policy: the default finds the GPT's blocks and makes each a unit (OUT_DIR/<case>.json: "units");
 - sync_module_states: each rank starts from its own seed, and rank 0's weights must win, as DDP's do (and
   without the option they must not: rank_seeded_without_sync is the control);
 - manual optimization with two optimizers, two forwards and two backwards in one training_step (a GAN's shape),
@@ -26,11 +31,25 @@ import torch
 from strategy_common import LitGPT, make_trainer, out_dir, token_loader, write_json
 
 from lightning_fsdp import FSDPStrategy
-from lightning_fsdp.demos.gpt import Block
+from lightning_fsdp.demos.gpt import GPT, Block
+from lightning_fsdp.engine.registry import units_under
 from lightning_fsdp.process_exit import exit_after_distributed_run
 
 STEPS = 4
 LOCAL_BATCH = 2
+
+
+class PretrainedInConfigureModel(LitGPT):
+    """Builds the GPT in ``configure_model`` and loads weights of another seed into it, as ``from_pretrained``."""
+
+    def __init__(self) -> None:
+        super().__init__(in_configure_model=True)
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            super().configure_model()
+            torch.manual_seed(123)
+            self.model.load_state_dict(GPT(self.config).state_dict())
 
 
 class TwoOptimizers(LitGPT):
@@ -61,6 +80,8 @@ def run(case: str, strategy: Any, build: str = "eager") -> None:
             model = LitGPT()
     elif build == "configure_model":
         model = LitGPT(in_configure_model=True)
+    elif build == "pretrained":
+        model = PretrainedInConfigureModel()
     elif build == "manual":
         model = TwoOptimizers()
     elif build == "rank_seeded":
@@ -78,6 +99,7 @@ def run(case: str, strategy: Any, build: str = "eager") -> None:
     record = {
         "built_on_meta": meta_before_fit or getattr(model, "built_on_meta", False),
         "optimizer_numel": sum(p.numel() for p in params),
+        "units": len(units_under(model)),
     }
     write_json(trainer, f"{case}.json", record)
 
@@ -90,8 +112,13 @@ def main() -> None:
     run("no_shard", FSDPStrategy(auto_wrap_policy=blocks, sharding_strategy="NO_SHARD"))
     run("hybrid_default_mesh", FSDPStrategy(auto_wrap_policy=blocks, sharding_strategy="HYBRID_SHARD"))
     run("hybrid_2x1", FSDPStrategy(auto_wrap_policy=blocks, sharding_strategy="HYBRID_SHARD", device_mesh=(2, 1)))
+    run("hybrid_zero2", FSDPStrategy(auto_wrap_policy=blocks, sharding_strategy="_HYBRID_SHARD_ZERO2"))
     run("init_module_empty_init", FSDPStrategy(auto_wrap_policy=blocks), build="init_module")
     run("configure_model", FSDPStrategy(auto_wrap_policy=blocks), build="configure_model")
+    run("configure_model_empty_init", FSDPStrategy(auto_wrap_policy=blocks, empty_init=True), build="configure_model")
+    run("ddp_pretrained", "ddp", build="pretrained")
+    run("pretrained_in_configure_model", FSDPStrategy(), build="pretrained")
+    run("default_policy", FSDPStrategy())
     run("sync_module_states", FSDPStrategy(auto_wrap_policy=blocks, sync_module_states=True), build="rank_seeded")
     run("rank_seeded_without_sync", FSDPStrategy(auto_wrap_policy=blocks), build="rank_seeded")
     run("ddp_manual", "ddp", build="manual")

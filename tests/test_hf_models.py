@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_fsdp import fully_shard
+from lightning_fsdp import apply_activation_checkpointing, fully_shard
 from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.checkpoint.full import save_full_checkpoint
 from lightning_fsdp.checkpoint.pretrained import load_pretrained
+from lightning_fsdp.demos.lora import add_lora
 from lightning_fsdp.engine.state_dict import full_state_dict
 from tests.distributed import run_distributed
 from tests.engine_harness import RTOL, max_relative_error
@@ -141,3 +142,76 @@ def _fine_tune(rank: int, world_size: int, folder_name: str, family_name: str) -
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_pretrained_load_fine_tune_and_export(tmp_path: Path, family: str) -> None:
     run_distributed(_fine_tune, 2, str(tmp_path), family, timeout=300)
+
+
+def _frozen_mixes(rank: int, world_size: int, family_name: str, sharding_strategy: str) -> None:
+    """Partly frozen units, as fine-tuning freezes them, trained with parity against the unsharded model."""
+    family = FAMILIES[family_name]
+    mixes = {
+        "norms frozen": lambda name: "norm" in name,
+        "only the last layer and the head trainable": lambda name: not name.startswith(("model.layers.1", "lm_head")),
+        "LoRA adapters on q and v": None,
+    }
+    for label, frozen in mixes.items():
+        for checkpointing in (False, True):
+            reference = family.build(seed=0)
+            if frozen is None:
+                add_lora(reference, ("q_proj", "v_proj"), rank=2)
+                for name, param in reference.named_parameters():  # start off zero, so the base weights matter
+                    if name.endswith("lora_b"):
+                        torch.nn.init.normal_(param, std=0.02)
+            else:
+                for name, param in reference.named_parameters():
+                    param.requires_grad_(not frozen(name))
+            model = copy.deepcopy(reference)
+            mesh = {"device_mesh": (2, world_size // 2)} if sharding_strategy == "HYBRID_SHARD" else {}
+            fully_shard(model, {family.layer_class}, sharding_strategy=sharding_strategy, **mesh)
+            if checkpointing:
+                apply_activation_checkpointing(model, {family.layer_class})
+            optimizer, ref_optimizer = _optimizer(model), _optimizer(reference)
+            for tokens, local in _batches(rank, world_size):
+                model(input_ids=local, labels=local).loss.backward()
+                reference(input_ids=tokens, labels=tokens).loss.backward()
+                for opt in (optimizer, ref_optimizer):
+                    opt.step()
+                    opt.zero_grad()
+            trained = full_state_dict(model, rank0_only=False)
+            what = f"{family.name} {sharding_strategy} {label}{' + activation checkpointing' if checkpointing else ''}"
+            for name, value in reference.state_dict().items():
+                error = max_relative_error(trained[name], value)
+                assert error < RTOL, f"{what}: {name} relative error {error:.1e}"
+            for name, param in model.named_parameters():
+                assert param.requires_grad or param.grad is None, f"{what}: frozen {name} got a gradient"
+
+
+@pytest.mark.parametrize(
+    ("world_size", "sharding_strategy"),
+    [(2, "FULL_SHARD"), (2, "SHARD_GRAD_OP"), (2, "NO_SHARD"), (4, "FULL_SHARD"), (4, "HYBRID_SHARD")],
+)
+def test_partly_frozen_units_train_with_parity(world_size: int, sharding_strategy: str) -> None:
+    run_distributed(_frozen_mixes, world_size, "llama", sharding_strategy, timeout=300)
+
+
+def _generate_uneven(rank: int, world_size: int, folder_name: str) -> None:
+    """Greedy generation where one rank meets its end-of-sequence token first: no hang, the unsharded result."""
+    family = FAMILIES["llama"]
+    plain = family.build(seed=0)
+    model = fully_shard(copy.deepcopy(plain), {family.layer_class})
+    prompts = torch.randint(0, VOCAB, (world_size, 4), generator=torch.Generator().manual_seed(3))
+    prompt = prompts[rank : rank + 1]
+    options = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        free = [plain.generate(p[None], eos_token_id=None, **options)[0, 4:].tolist() for p in prompts]
+    # An end token rank 0 produces at once and no other rank produces at all: rank 0 stops after one token.
+    eos = next(token for token in free[0] if all(token not in other for other in free[1:]))
+    with torch.no_grad():
+        expected = plain.generate(prompt, eos_token_id=eos, **options)
+        generated = model.generate(prompt, eos_token_id=eos, **options)  # synced: finished ranks keep stepping
+    assert generated.tolist() == expected.tolist(), f"rank {rank}: {generated.tolist()} != {expected.tolist()}"
+    lengths = [None] * world_size
+    torch.distributed.all_gather_object(lengths, expected.shape[1])
+    assert len(set(lengths)) > 1, f"the ranks stopped at the same length {lengths}: the case tests nothing"
+
+
+def test_generation_with_uneven_lengths_returns_the_unsharded_output(tmp_path: Path) -> None:
+    run_distributed(_generate_uneven, 2, str(tmp_path), timeout=120)

@@ -33,9 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_fsdp.engine.buffers import BufferPool
+from lightning_fsdp.engine.fingerprint import check_same_model
+from lightning_fsdp.engine.ledger import Ledger
 from lightning_fsdp.engine.options import BackwardPrefetch
 from lightning_fsdp.engine.registry import units_under
 from lightning_fsdp.engine.shm import SharedMemoryTransport
@@ -57,6 +60,7 @@ class RootContext:
         self.pending: deque[PendingGradReduction] = deque()
         self.pool = BufferPool()
         self.transport: SharedMemoryTransport | None = None
+        self.ledger: Ledger | None = None  # numbers the units' collectives (see [Note: collective identity])
         self.callback_queued = False
 
     def lazy_init(self) -> None:
@@ -68,10 +72,23 @@ class RootContext:
                 "units under one root use different process groups; pass the same process_group to every "
                 "fully_shard call of one model."
             )
+        module_names = {id(m): name for name, m in self.root.module.named_modules()}
         for unit in self.units:
             unit.is_root = unit is self.root
             unit.context = self
+            unit.name = module_names.get(id(unit.module)) or "<root>"
+        groups = [g for g in (self.root.shard_group, self.root.replicate_group) if g is not None and g.size() > 1]
+        if groups:
+            self._check_same_model(groups)
+            self.ledger = Ledger([unit.name for unit in self.units])
         self.transport = self._shared_memory_transport()
+
+    def _check_same_model(self, groups: list[ProcessGroup]) -> None:
+        """One small collective per group (see ``fingerprint.py``): every rank must have built the same model."""
+        param_names = {id(p): name for name, p in self.root.module.named_parameters()}
+        prints = [unit.fingerprint(param_names) for unit in self.units]
+        for group in groups:
+            check_same_model(prints, group)
 
     def _shared_memory_transport(self) -> SharedMemoryTransport | None:
         """A collective over the shard group (this runs at the root's first forward, on every rank alike)."""

@@ -19,6 +19,15 @@ forward is still running when a backward ends must stay gathered: the rest of it
 So post-backward and the final callback leave a unit with ``in_forward`` set gathered (its gradients are reduced
 as usual), and its own post-forward decides as it always does.
 
+[Note: hooks stay out of compiled graphs] ``torch.compile`` of the whole model would otherwise trace these hooks:
+the gathers, the storage resizes and the unit state machine are Python side effects on tensors whose sizes
+dynamo makes symbolic (automatic dynamic shapes), and the traced ``split_with_sizes_copy`` then rejects them. So
+the four runtime entry points (pre-/post-forward, pre-backward, gradient accumulated) are
+``torch.compiler.disable``d: dynamo breaks the graph around each hook call and runs the hook eagerly, and the
+compute between hooks -- the blocks themselves -- compiles into graphs. The full parameters keep their identity
+across steps (see [Note: storage freeing and tensor identity] in ``param.py``), so the graphs' guards on them hold
+and nothing recompiles. ``tests/test_engine_compile.py`` counts the graph breaks this costs.
+
 [Note: post-backward by counting] A post-accumulate-grad hook fires exactly once per backward for every leaf that
 received a gradient, after all its uses have been summed (a unit called twice included). When the count reaches
 the unit's trainable parameters, its gradients are complete. A unit some of whose parameters got no gradient
@@ -173,6 +182,7 @@ def context_of(unit: FSDPUnit) -> RootContext:
 # ----- stages 1-3: forward -----------------------------------------------------------------------------------------
 
 
+@torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
 def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     context = context_of(unit)
     if unit.training_state is TrainingState.PRE_BACKWARD:  # recomputation under activation checkpointing
@@ -197,6 +207,7 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
+@torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
 def post_forward(unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) -> Any:
     context = context_of(unit)
     if unit.training_state is TrainingState.PRE_BACKWARD:  # recomputation: backward needs the parameters next
@@ -216,6 +227,7 @@ def post_forward(unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) ->
 # ----- stages 4-5: backward ----------------------------------------------------------------------------------------
 
 
+@torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
 def pre_backward(unit: FSDPUnit) -> None:
     context = context_of(unit)
     context.queue_final_callback()
@@ -226,6 +238,7 @@ def pre_backward(unit: FSDPUnit) -> None:
     context.unshard_for_use(unit, context.neighbour(unit, -1) if prefetch else None)
 
 
+@torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
 def on_grad_accumulated(unit: FSDPUnit) -> None:
     # A backward that no unit's output hook announced (it ran inside the only unit's forward) still ends in stage 6.
     context_of(unit).queue_final_callback()

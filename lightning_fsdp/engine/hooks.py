@@ -89,7 +89,7 @@ class RootContext:
         groups = [g for g in (self.root.shard_group, self.root.replicate_group) if g is not None and g.size() > 1]
         if groups:
             self._check_same_model(groups)
-            self.ledger = Ledger([unit.name for unit in self.units])
+            self.ledger = Ledger([unit.name for unit in self.units], groups)
         self.transport = self._shared_memory_transport()
 
     def _check_same_model(self, groups: list[ProcessGroup]) -> None:

@@ -104,7 +104,7 @@ def _check_every_rank_agrees_to_fall_back(rank: int, world_size: int) -> None:
     assert SharedMemoryTransport.create(dist.group.WORLD, 1024) is None
     os.environ[shm.ENV_SWITCH] = "1"
     real_fallocate = os.posix_fallocate
-    if rank == 1:  # /dev/shm is full when rank 1 reserves its segment
+    if rank == 1:  # memory is short when rank 1 reserves its segment
 
         def out_of_room(fd: int, offset: int, length: int) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -114,7 +114,7 @@ def _check_every_rank_agrees_to_fall_back(rank: int, world_size: int) -> None:
     os.posix_fallocate = real_fallocate
     assert _open_segment_descriptors() == [], "every rank closed the segment it had reserved"
     assert _mapped_segments() == set(), "and maps none"
-    if rank == 1:  # as if rank 1 had its own /dev/shm (another container): it cannot see the others' tokens
+    if rank == 1:  # as if rank 1 were in another pid namespace (container): it cannot see the others' tokens
         shm._peer = lambda path, nbytes, token: None
     assert SharedMemoryTransport.create(dist.group.WORLD, 1024) is None
     assert SharedMemoryTransport.create(None, 1024) is None, "no group: nothing to share"

@@ -172,8 +172,10 @@ class _UnitBuilder:
             offload = self.options.cpu_offload
             shard_group = self.groups.shard
             replicate_group = self.groups.replicate if shard_group is not None else None
+            alone = self.groups.sync.size() == 1
             params = [
-                FSDPParam(o.param, o.fqn, o.owners, shard_group, param_dtype, offload, replicate_group) for o in owned
+                FSDPParam(o.param, o.fqn, o.owners, shard_group, param_dtype, offload, replicate_group, alone)
+                for o in owned
             ]
             for fsdp_param, o in zip(params, owned, strict=True):
                 fsdp_param.register_sharded()

@@ -69,7 +69,8 @@ class FSDPParam:
     modules (a tied embedding and output head) is swapped on both at once. ``shard_group`` is None for a
     parameter kept whole on every rank (NO_SHARD under mixed precision or offload): a "shard" of all rows.
     The shard lives on ``shard_device`` (the CPU under offload) in the parameter's own dtype -- the master
-    weights -- while the full tensor lives on ``compute_device`` in ``param_dtype``.
+    weights -- while the full tensor lives on ``compute_device`` in ``param_dtype``. ``alone``: the model runs
+    on one rank only (nothing to gather or reduce).
     """
 
     def __init__(
@@ -81,6 +82,7 @@ class FSDPParam:
         param_dtype: torch.dtype | None = None,
         offload: bool = False,
         replicate_group: ProcessGroup | None = None,
+        alone: bool = False,
     ):
         self.fqn = fqn
         self.owners = owners
@@ -91,12 +93,10 @@ class FSDPParam:
         self.layout = ShardLayout.for_shape(param.shape, rank, world_size)
         self.compute_device = param.device
         shard_device = torch.device("cpu") if offload else param.device
-        replicas = replicate_group.size() if replicate_group is not None else 1
-        # See [Note: one rank keeps the parameter whole].
-        same_form = param_dtype in (None, param.dtype) and shard_device == param.device
-        self.is_whole = world_size == 1 and replicas == 1 and same_form
+        # See [Note: one rank keeps the parameter whole]; ``alone``: no other rank holds or reduces this parameter.
+        self.is_whole = alone and param_dtype in (None, param.dtype) and shard_device == param.device
         # The values every rank took its rows from, for the check that ranks built the same model (fingerprint.py).
-        self.initial_checksum = None if world_size * replicas == 1 else value_checksum(param)
+        self.initial_checksum = None if alone else value_checksum(param)
         if self.is_whole:
             self._init_whole(param)
         else:

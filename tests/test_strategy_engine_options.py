@@ -49,5 +49,7 @@ def test_engine_option_matches_ddp(results: Path, case: str, optimizer_numel: in
     assert error < RTOL, f"[{case}] relative error {error:.2e} against DDP"
 
 
-def test_without_sync_module_states_the_rank_seeded_model_differs(results: Path) -> None:
-    assert max_error(results, "rank_seeded_without_sync") > 1e-2
+def test_without_sync_module_states_the_rank_seeded_model_is_refused(results: Path) -> None:
+    message = (results / "rank_seeded_without_sync.txt").read_text()
+    assert "rank 1 built the model with other initial values than rank 0" in message
+    assert "seed every rank alike" in message and "sync_module_states=True" in message

@@ -4,6 +4,8 @@
     python benchmarks/bench_engine.py --preset tiny          # seconds, for a smoke test
     python benchmarks/bench_engine.py --impls fsdp2,ddp --json benchmarks/results/run.json
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_engine.py   # same, under torchrun
+    python benchmarks/bench_engine.py --world-size 1 --impls ours,plain   # one rank: ours against the module itself
+    python benchmarks/bench_engine.py --preset tiny --compile inductor   # every implementation torch.compile'd alike
     python benchmarks/bench_engine.py --largest --batch-size 1 --json benchmarks/results/largest.json
     python benchmarks/bench_engine.py --from-json benchmarks/results/run.json benchmarks/results/largest.json \
         --plot benchmarks/plot.png                        # re-print and draw saved runs, without running

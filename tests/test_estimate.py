@@ -18,6 +18,7 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 def _check_against_measured(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)  # every rank builds the same model
     for strategy in ("FULL_SHARD", "NO_SHARD"):
         model = fully_shard(GPT(CONFIG), {Block}, sharding_strategy=strategy)
         optimizer = torch.optim.AdamW(model.parameters())

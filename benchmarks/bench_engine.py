@@ -4,6 +4,8 @@
     python benchmarks/bench_engine.py --preset tiny          # seconds, for a smoke test
     python benchmarks/bench_engine.py --impls fsdp2,ddp --json benchmarks/results/run.json
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_engine.py   # same, under torchrun
+    python benchmarks/bench_engine.py --world-size 1 --impls ours,plain   # one rank: ours against the module itself
+    python benchmarks/bench_engine.py --preset tiny --compile inductor   # every implementation torch.compile'd alike
     python benchmarks/bench_engine.py --largest --batch-size 1 --json benchmarks/results/largest.json
     python benchmarks/bench_engine.py --from-json benchmarks/results/run.json benchmarks/results/largest.json \
         --plot benchmarks/plot.png                        # re-print and draw saved runs, without running
@@ -88,7 +90,8 @@ from lightning_fsdp.engine.registry import units_under  # noqa: E402
 from lightning_fsdp.estimate import MemoryEstimate, estimate_memory, largest_trainable  # noqa: E402
 from lightning_fsdp.process_exit import exit_now  # noqa: E402
 
-IMPLS = ("ours", "fsdp2", "ddp")
+IMPLS = ("ours", "fsdp2", "ddp", "plain")  # plain: the module itself, no parallelism (world size 1 only)
+DEFAULT_IMPLS = ("ours", "fsdp2", "ddp")
 
 PRESETS: dict[str, dict[str, int]] = {
     # ~25M parameters: large enough that communication and optimizer state matter, small enough for a
@@ -138,6 +141,8 @@ class BenchArgs:
     forward_prefetch: bool = False
     # The sharding units: every Block, or every Block's attention and MLP (smaller units, less gathered at once).
     wrap: str = "block"
+    # torch.compile the whole (parallelised) model with this backend; None: eager.
+    compile: str | None = None
 
     def wrapped(self) -> set[type[nn.Module]]:
         return {Block} if self.wrap == "block" else {CausalSelfAttention, MLP}
@@ -158,7 +163,7 @@ class BenchArgs:
 def parse_args(argv: list[str] | None = None) -> BenchArgs:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="model and batch sizes")
-    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of %(default)s")
+    parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     for name in ("n_layer", "n_embd", "n_head", "block_size", "batch_size"):
@@ -184,6 +189,12 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         choices=["block", "sublayer"],
         default="block",
         help="sharding units, in ours and in fsdp2: each Block, or each Block's attention and MLP",
+    )
+    parser.add_argument(
+        "--compile",
+        default=None,
+        metavar="BACKEND",
+        help="torch.compile the whole model of every implementation with this backend (inductor, aot_eager)",
     )
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 disables it")
@@ -219,6 +230,8 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
     impls = tuple(name.strip() for name in ns.impls.split(",") if name.strip())
     if unknown := sorted(set(impls) - set(IMPLS)):
         parser.error(f"unknown --impls {unknown}; choose from {', '.join(IMPLS)}")
+    if "plain" in impls and ns.world_size != 1:
+        parser.error("--impls plain (the module without parallelism) needs --world-size 1")
     if sizes["n_embd"] % sizes["n_head"]:
         parser.error(f"--n-embd {sizes['n_embd']} must be a multiple of --n-head {sizes['n_head']}")
     if ns.steps < 1 or ns.rounds < 1 or ns.warmup < 0:
@@ -244,6 +257,7 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         from_json=tuple(ns.from_json),
         forward_prefetch=ns.forward_prefetch,
         wrap=ns.wrap,
+        compile=ns.compile,
         **sizes,
     )
 
@@ -262,12 +276,23 @@ class Trainee:
 
 
 def build(impl: str, args: BenchArgs) -> Trainee:
-    """The demo GPT, identical on every rank (same seed), parallelised by ``impl``."""
+    """The demo GPT, identical on every rank (same seed), parallelised by ``impl``, compiled if asked."""
+    trainee = _parallelised(impl, args)
+    if args.compile is not None:
+        trainee.model = torch.compile(trainee.model, backend=args.compile)
+    return trainee
+
+
+def _parallelised(impl: str, args: BenchArgs) -> Trainee:
     torch.manual_seed(args.seed)
     model = GPT(args.gpt_config())
     num_params = sum(p.numel() for p in model.parameters())
     bf16 = args.precision == "bf16"
     no_autocast = contextlib.nullcontext
+
+    def autocast() -> contextlib.AbstractContextManager[Any]:  # DDP and the plain module: bf16 by autocast
+        return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
     if impl == "ours":
         from lightning_fsdp import clip_grad_norm_, fully_shard
 
@@ -302,11 +327,9 @@ def build(impl: str, args: BenchArgs) -> Trainee:
         # The demo's only buffers are constant causal masks: broadcasting them every forward (DDP's default)
         # would add traffic the FSDP implementations do not have.
         ddp = DistributedDataParallel(model, broadcast_buffers=False)
-
-        def autocast() -> contextlib.AbstractContextManager[Any]:
-            return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-
         return Trainee(ddp, torch.nn.utils.clip_grad_norm_, autocast, num_params)
+    if impl == "plain":
+        return Trainee(model, torch.nn.utils.clip_grad_norm_, autocast, num_params)
     raise ValueError(f"unknown implementation {impl!r}")
 
 
@@ -787,7 +810,7 @@ def report(summaries: dict[str, dict[str, Any]], args: BenchArgs, rss_isolated: 
 
     if "ours" in ok:
         ours = ok["ours"]
-        others = [impl for impl in ("fsdp2", "ddp") if impl in ok]
+        others = [impl for impl in ("fsdp2", "ddp", "plain") if impl in ok]
         if others:
             lines.append("")
             lines.append(f"{'ratio':{width}s}" + "".join(f"{label + '/' + o:>22s}" for o in others))

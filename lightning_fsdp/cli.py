@@ -109,6 +109,29 @@ def convert_main(argv: list[str]) -> None:
     print(f"wrote {Path(options.dst).resolve()}")
 
 
+SUBCOMMANDS = {
+    "fit": "train a model (LightningCLI: --config configs/<name>.yaml, --model.*, --trainer.*)",
+    "validate": "run the validation loop of a model once",
+    "test": "run the test loop of a model once",
+    "predict": "run prediction over a datamodule's predict set",
+    "convert": "convert a checkpoint between a sharded folder, one full .ckpt and safetensors weights",
+    "estimate": "print the per-rank memory of each sharding strategy for a model size, before trying it",
+}
+
+
+def print_overview() -> None:
+    """``lightning-fsdp --help``: every subcommand with one line (LightningCLI's own help knows only four)."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-fsdp",
+        description="Train, evaluate and convert models sharded by lightning_fsdp's FSDP engine.",
+        epilog="Run 'lightning-fsdp <subcommand> --help' for the options of one subcommand.",
+    )
+    subcommands = parser.add_subparsers(title="subcommands", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for name, summary in SUBCOMMANDS.items():
+        subcommands.add_parser(name, help=summary)
+    parser.print_help()
+
+
 def main(args: list[str] | None = None) -> None:
     """The console script's entry point; ``args`` replaces ``sys.argv[1:]`` (for tests).
 
@@ -118,6 +141,11 @@ def main(args: list[str] | None = None) -> None:
     written and printed by then. A failure raises as usual.
     """
     argv = sys.argv[1:] if args is None else args
+    if not argv or argv[0] in ("-h", "--help"):
+        print_overview()
+        if not argv:
+            raise SystemExit(2)  # a usage error: no subcommand
+        return
     if argv and argv[0] == "convert":
         convert_main(argv[1:])
         return

@@ -10,6 +10,7 @@ backward), and activations are not counted -- they depend on batch and sequence 
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 from torch import nn
@@ -112,7 +113,9 @@ def format_table(estimates: list[MemoryEstimate]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Estimate per-rank training memory for each sharding strategy.")
+    parser = argparse.ArgumentParser(
+        prog="lightning-fsdp estimate", description="Estimate per-rank training memory for each sharding strategy."
+    )
     parser.add_argument("--params", type=float, required=True, help="parameter count, e.g. 1.3e9")
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--largest-unit", type=float, default=None, help="parameters of the largest unit")
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--param-dtype-bytes", type=int, default=None, help="2 under bf16/fp16 mixed precision")
     parser.add_argument("--cpu-offload", action="store_true")
     args = parser.parse_args(argv)
+    _validate(parser, args)
     largest = int(args.largest_unit) if args.largest_unit is not None else None
     estimates = [
         estimate_memory(
@@ -136,6 +140,24 @@ def main(argv: list[str] | None = None) -> None:
         for strategy in STRATEGIES
     ]
     print(format_table(estimates))
+
+
+def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors (exit status 2) that name the bad value, before anything is computed."""
+    if not math.isfinite(args.params) or args.params < 1:
+        parser.error(f"--params {args.params:g} must be a positive parameter count, e.g. 1.3e9")
+    if args.world_size < 1:
+        parser.error(f"--world-size {args.world_size} must be at least 1 (the number of ranks)")
+    if args.largest_unit is not None and not 0 <= args.largest_unit <= args.params:
+        parser.error(f"--largest-unit {args.largest_unit:g} must lie between 0 and --params {args.params:g}")
+    if args.shard_size is not None and (args.shard_size < 1 or args.world_size % args.shard_size):
+        parser.error(
+            f"--shard-size {args.shard_size} must divide --world-size {args.world_size}: HYBRID_SHARD splits the "
+            "ranks into shard groups of that size"
+        )
+    for flag, value in (("--bytes-per-param", args.bytes_per_param), ("--param-dtype-bytes", args.param_dtype_bytes)):
+        if value is not None and value not in (1, 2, 4, 8):
+            parser.error(f"{flag} {value} must be the byte size of a dtype: 1, 2, 4 or 8")
 
 
 if __name__ == "__main__":

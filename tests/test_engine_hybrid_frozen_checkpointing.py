@@ -98,6 +98,7 @@ def _saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int
 
 
 def _check_checkpointing_memory(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)  # every rank builds the same model
     config = GPTConfig(vocab_size=64, block_size=64, n_layer=4, n_head=2, n_embd=32)
     tokens = torch.randint(0, config.vocab_size, (4, config.block_size + 1))
     plain = fully_shard(GPT(config), {Block})

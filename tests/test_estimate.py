@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_fsdp import fully_shard
@@ -17,6 +18,7 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 def _check_against_measured(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)  # every rank builds the same model
     for strategy in ("FULL_SHARD", "NO_SHARD"):
         model = fully_shard(GPT(CONFIG), {Block}, sharding_strategy=strategy)
         optimizer = torch.optim.AdamW(model.parameters())
@@ -50,3 +52,32 @@ def test_offload_moves_the_steady_state_to_cpu_and_the_table_prints(capsys) -> N
     main(["--params", "1.3e9", "--world-size", "8"])
     out = capsys.readouterr().out
     assert "SHARD_GRAD_OP" in out and "DDP" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--params", "1e9", "--world-size", "0"], "--world-size 0 must be at least 1"),
+        (["--params", "-5", "--world-size", "2"], "--params -5 must be a positive parameter count"),
+        (["--params", "nan", "--world-size", "2"], "--params nan must be a positive parameter count"),
+        (["--params", "1e9", "--world-size", "8", "--shard-size", "3"], "--shard-size 3 must divide --world-size 8"),
+        (["--params", "1e9", "--world-size", "8", "--largest-unit", "2e9"], "--largest-unit 2e+09 must lie between"),
+        (["--params", "1e9", "--world-size", "8", "--bytes-per-param", "0"], "--bytes-per-param 0 must be the byte"),
+    ],
+)
+def test_bad_estimate_arguments_are_usage_errors_naming_the_value(argv: list[str], named: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert named in captured.err and captured.out == "", "one usage error, no table and no traceback"
+
+
+def test_help_lists_every_subcommand_with_one_line(capsys) -> None:
+    from lightning_fsdp.cli import SUBCOMMANDS
+    from lightning_fsdp.cli import main as cli_main
+
+    cli_main(["--help"])
+    listing = capsys.readouterr().out
+    for name in ("fit", "validate", "test", "predict", "convert", "estimate"):
+        assert f"    {name} " in listing and SUBCOMMANDS[name][:30] in " ".join(listing.split()), name

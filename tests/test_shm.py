@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import signal
 import time
 
 import pytest
@@ -19,8 +21,25 @@ from lightning_fsdp.engine.shm import SLOTS, SharedMemoryTransport
 from tests.distributed import run_distributed
 
 
-def _segment_files() -> set[str]:
-    return {name for name in os.listdir(shm.SHM_DIR) if name.startswith("lightning_fsdp-")}
+def _open_segment_descriptors() -> list[str]:
+    """This process's open descriptors of shared-memory segments: none once a transport exists (or failed)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the descriptor listdir itself used is gone by now
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{shm.SEGMENT_NAME}-"):
+                found.append(fd)
+    return found
+
+
+def _mapped_segments() -> set[str]:
+    """The segments this process maps, by name (``lightning_fsdp-<creator pid>``)."""
+    with open("/proc/self/maps") as maps:
+        return {line.split("/memfd:")[1].split()[0] for line in maps if f"/memfd:{shm.SEGMENT_NAME}-" in line}
+
+
+def _dev_shm_entries_of(pids: list[int]) -> list[str]:
+    """Files in /dev/shm whose name carries one of ``pids`` -- other jobs on the machine may have their own there."""
+    return [name for name in os.listdir("/dev/shm") if any(str(pid) in name for pid in pids)]
 
 
 def _gather(value: float, transport: SharedMemoryTransport | None, pool: BufferPool) -> object:
@@ -29,12 +48,13 @@ def _gather(value: float, transport: SharedMemoryTransport | None, pool: BufferP
 
 
 def _check_slots(rank: int, world_size: int) -> None:
-    before = _segment_files()
-    dist.barrier()
+    pids: list[int | None] = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
     transport = SharedMemoryTransport.create(dist.group.WORLD, 1024)
     assert transport is not None, "ranks of one host share memory"
-    dist.barrier()  # every rank has returned from create
-    assert _segment_files() - before == set(), "the segment files are gone once every rank has mapped them"
+    assert _open_segment_descriptors() == [], "the creator's descriptor is closed once every rank has mapped it"
+    assert _mapped_segments() == {f"{shm.SEGMENT_NAME}-{pid}" for pid in pids}, "every rank's segment, mapped"
+    assert _dev_shm_entries_of(pids) == [], "nothing of this run in /dev/shm"
 
     assert transport.acquire(transport.slot_bytes + 1) is None, "a collective larger than a slot goes over gloo"
     assert [transport.acquire(8) for _ in range(SLOTS)] == list(range(SLOTS)), "every slot once"
@@ -83,10 +103,8 @@ def _check_every_rank_agrees_to_fall_back(rank: int, world_size: int) -> None:
     os.environ[shm.ENV_SWITCH] = "0" if rank == 1 else "1"  # switched off on one rank only
     assert SharedMemoryTransport.create(dist.group.WORLD, 1024) is None
     os.environ[shm.ENV_SWITCH] = "1"
-    before = _segment_files()
-    dist.barrier()
     real_fallocate = os.posix_fallocate
-    if rank == 1:  # /dev/shm is full when rank 1 reserves its segment
+    if rank == 1:  # memory is short when rank 1 reserves its segment
 
         def out_of_room(fd: int, offset: int, length: int) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -94,9 +112,9 @@ def _check_every_rank_agrees_to_fall_back(rank: int, world_size: int) -> None:
         os.posix_fallocate = out_of_room
     assert SharedMemoryTransport.create(dist.group.WORLD, 1024) is None
     os.posix_fallocate = real_fallocate
-    dist.barrier()
-    assert _segment_files() - before == set(), "every rank removed the segment it had reserved"
-    if rank == 1:  # as if rank 1 had its own /dev/shm (another container): it cannot see the others' tokens
+    assert _open_segment_descriptors() == [], "every rank closed the segment it had reserved"
+    assert _mapped_segments() == set(), "and maps none"
+    if rank == 1:  # as if rank 1 were in another pid namespace (container): it cannot see the others' tokens
         shm._peer = lambda path, nbytes, token: None
     assert SharedMemoryTransport.create(dist.group.WORLD, 1024) is None
     assert SharedMemoryTransport.create(None, 1024) is None, "no group: nothing to share"
@@ -138,3 +156,28 @@ def test_every_rank_falls_back_to_gloo_together() -> None:
 
 def test_summon_full_params_with_more_units_than_slots() -> None:
     run_distributed(_check_summon_more_units_than_slots, 2)
+
+
+def _die_during_first_forward(rank: int, world_size: int, pid_dir: str) -> None:
+    with open(os.path.join(pid_dir, str(rank)), "w") as file:
+        file.write(str(os.getpid()))
+    config = GPTConfig(vocab_size=61, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    torch.manual_seed(0)
+    model = fully_shard(GPT(config), {Block})
+    if rank == 1:  # killed after reserving its segment, before any other rank could map it
+        real_peer = shm._peer
+
+        def killed_while_mapping(path: str, nbytes: int, token: bytes) -> torch.Tensor | None:
+            os.kill(os.getpid(), signal.SIGKILL)
+            return real_peer(path, nbytes, token)
+
+        shm._peer = killed_while_mapping
+    tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1))
+    model(tokens[:, :-1], tokens[:, 1:])
+
+
+def test_a_rank_killed_during_its_first_forward_leaves_nothing_in_dev_shm(tmp_path) -> None:
+    with pytest.raises(RuntimeError, match="rank 1 of 2 died: killed by signal SIGKILL"):
+        run_distributed(_die_during_first_forward, 2, str(tmp_path), timeout=60.0)
+    pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
+    assert _dev_shm_entries_of(pids) == [], "no segment of the crashed run outlives it"

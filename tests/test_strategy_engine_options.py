@@ -67,5 +67,7 @@ def test_pretrained_weights_set_in_configure_model_survive(results: Path) -> Non
     assert max((ours[k] - fresh[k]).abs().max().item() for k in ours) > 1e-2
 
 
-def test_without_sync_module_states_the_rank_seeded_model_differs(results: Path) -> None:
-    assert max_error(results, "rank_seeded_without_sync") > 1e-2
+def test_without_sync_module_states_the_rank_seeded_model_is_refused(results: Path) -> None:
+    message = (results / "rank_seeded_without_sync.txt").read_text()
+    assert "rank 1 built the model with other initial values than rank 0" in message
+    assert "seed every rank alike" in message and "sync_module_states=True" in message

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_fsdp.engine import hooks
 from lightning_fsdp.engine.deferred_init import ParamInitFn, check_initializable, has_meta_tensors, materialize
 from lightning_fsdp.engine.groups import Groups, resolve_groups
+from lightning_fsdp.engine.optimizer_guard import record_replaced
 from lightning_fsdp.engine.options import BackwardPrefetch, MixedPrecision, ShardingOptions, ShardingStrategy
 from lightning_fsdp.engine.ownership import OwnedParam, assign_params
 from lightning_fsdp.engine.param import FSDPParam
@@ -99,10 +100,12 @@ def fully_shard(
         is_unit_module=lambda m: id(m) in new_units or is_unit(m),
         skip=lambda p: fsdp_param_of(p) is not None or id(p) in ignored_param_ids,
     )
+    unit_modules = [m for m in (*children, module) if m is module or assignment.get(m)]
+    for unit_module in unit_modules:  # every check before the first change: a refusal leaves the model as it was
+        _check_uniform(unit_module, assignment.get(unit_module, []), devices=not deferred)
     builder = _UnitBuilder(assignment, groups, options, sync_module_states)
-    for unit_module in (*children, module):
-        if unit_module is module or assignment.get(unit_module):
-            builder.expect(unit_module)
+    for unit_module in unit_modules:
+        builder.expect(unit_module)
     if deferred:
         owners_of = {id(o.param): o.owners for owned in assignment.values() for o in owned}
         materialize(module, _materialize_device(device, groups), param_init_fn, owners_of, builder.param_ready)
@@ -169,11 +172,15 @@ class _UnitBuilder:
             offload = self.options.cpu_offload
             shard_group = self.groups.shard
             replicate_group = self.groups.replicate if shard_group is not None else None
+            alone = self.groups.sync.size() == 1
             params = [
-                FSDPParam(o.param, o.fqn, o.owners, shard_group, param_dtype, offload, replicate_group) for o in owned
+                FSDPParam(o.param, o.fqn, o.owners, shard_group, param_dtype, offload, replicate_group, alone)
+                for o in owned
             ]
-            for fsdp_param in params:
+            for fsdp_param, o in zip(params, owned, strict=True):
                 fsdp_param.register_sharded()
+                if fsdp_param.sharded is not o.param:
+                    record_replaced(o.param, o.fqn)
             unit = FSDPUnit(unit_module, params, [], self.groups.as_pair(), self.options)
         register_unit(unit)
         hooks.install_hooks(unit)
@@ -216,9 +223,11 @@ def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
                 submodule._buffers[name] = buffer.to(dtype)
 
 
-def _check_uniform(module: nn.Module, owned: list[OwnedParam]) -> None:
-    """One flat buffer per unit needs one dtype and one device; say which parameters break that."""
-    for attribute in ("dtype", "device"):
+def _check_uniform(module: nn.Module, owned: list[OwnedParam], devices: bool = True) -> None:
+    """One flat buffer per unit needs one dtype and one device; say which parameters break that.
+
+    ``devices=False`` before deferred init, while parameters are still on the meta device."""
+    for attribute in ("dtype", "device") if devices else ("dtype",):
         values = Counter(str(getattr(o.param, attribute)) for o in owned)
         if len(values) > 1:
             odd = [o.fqn for o in owned if str(getattr(o.param, attribute)) != values.most_common(1)[0][0]]

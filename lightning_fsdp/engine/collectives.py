@@ -21,6 +21,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine import shm
 from lightning_fsdp.engine.buffers import BufferPool
+from lightning_fsdp.engine.ledger import Stamp
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -65,11 +66,13 @@ def all_gather_shards(
     dtype: torch.dtype,
     pool: BufferPool,
     transport: shm.SharedMemoryTransport | None = None,
+    stamp: Stamp | None = None,
 ) -> PendingAllGather | shm.PendingSharedGather:
     """Pack this rank's (padded) shards into one ``dtype`` buffer and all-gather it asynchronously.
 
     The buffer is a slot of the shared-memory transport when there is one with a free slot (see [Note: why shared
-    memory on CPU] in ``shm.py``), else a pooled buffer all-gathered over the group's backend.
+    memory on CPU] in ``shm.py``), else a pooled buffer all-gathered over the group's backend. ``stamp``: the
+    collective's identity, checked on every rank before its data is used (see [Note: collective identity]).
     """
     numel = sum(shard.numel() for shard in shards)
     shared = shm.send_buffer(transport, numel, dtype) if world_size > 1 else None
@@ -80,11 +83,13 @@ def all_gather_shards(
         torch._foreach_copy_(list(send.split([shard.numel() for shard in shards])), [s.reshape(-1) for s in shards])
     if shared is not None:
         assert transport is not None
-        return shm.all_gather(transport, shared[1], send)
+        return shm.all_gather(transport, shared[1], send, stamp)
     output = pool.take(world_size * numel, dtype, send.device)
     if world_size == 1:
         output.copy_(send)
         return PendingAllGather(output, None, send, world_size, pool)
+    if stamp is not None:
+        stamp.exchange(group)
     work = _all_gather_flat(output, send, group=group, async_op=True)
     return PendingAllGather(output, work, send, world_size, pool)
 
@@ -156,6 +161,7 @@ def reduce_scatter(
     world_size: int,
     pool: BufferPool,
     shared: tuple[shm.SharedMemoryTransport, int] | None = None,
+    stamp: Stamp | None = None,
 ) -> PendingReduceScatter | shm.PendingSharedReduceScatter:
     """Sum a (world_size, shard_sum) buffer over ranks and keep row ``rank`` of the sum, asynchronously.
 
@@ -163,9 +169,11 @@ def reduce_scatter(
     aliases a pooled or shared buffer: it becomes the parameters' ``.grad``.
     """
     if shared is not None:
-        return shm.reduce_scatter(shared[0], shared[1], send)
+        return shm.reduce_scatter(shared[0], shared[1], send, stamp)
     if world_size == 1 or group is None:
         return PendingReduceScatter(send.view(-1).clone(), None, False, pool, (send,))
+    if stamp is not None:
+        stamp.exchange(group)
     if _is_gloo(group):  # see [Note: reduce-scatter on gloo]
         received = pool.take(send.numel(), send.dtype, send.device).view_as(send)
         work = dist.all_to_all_single(received.view(-1), send.view(-1), group=group, async_op=True)
@@ -175,9 +183,13 @@ def reduce_scatter(
     return PendingReduceScatter(output, work, False, pool, (send,))
 
 
-def all_reduce(flat: torch.Tensor, group: ProcessGroup | None, world_size: int) -> PendingReduceScatter:
+def all_reduce(
+    flat: torch.Tensor, group: ProcessGroup | None, world_size: int, stamp: Stamp | None = None
+) -> PendingReduceScatter:
     """Sum a flat buffer over ranks in place, asynchronously (NO_SHARD's one collective per unit)."""
     if world_size == 1 or group is None:
         return PendingReduceScatter(flat, None, needs_local_sum=False)
+    if stamp is not None:
+        stamp.exchange(group)
     work = dist.all_reduce(flat, group=group, async_op=True)
     return PendingReduceScatter(flat, work, needs_local_sum=False)

@@ -29,6 +29,7 @@ ring all-reduce sends about 2x its input); that keeps it comparable across backe
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -219,12 +220,30 @@ class CollectiveCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace in _NAMESPACES and func._schema.name.split("::")[-1] not in _IGNORED:
             # Record before running: if the collective fails or hangs, the call was still issued.
-            self.record(_event(func, args, kwargs))
+            event = _event(func, args, kwargs)
+            if _handshakes:  # a check that ranks agree (see as_handshake): synchronisation, not data
+                event = CollectiveEvent("barrier", event.op, event.bytes, event.numel, event.dtype, event.group_size)
+            self.record(event)
         return func(*args, **kwargs)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{kind}: {self.counts[kind]} calls / {self.bytes[kind]} B" for kind in sorted(self.counts))
         return f"CollectiveCounter({parts})"
+
+
+_handshakes: list[bool] = []  # non-empty while as_handshake is active
+
+
+@contextlib.contextmanager
+def as_handshake() -> Iterator[None]:
+    """Count the collectives issued inside as barriers: they check that ranks agree (the identity of the next
+    collective, see ``ledger.py``) and move none of the model's data, like the barriers of the shared-memory
+    transport."""
+    _handshakes.append(True)
+    try:
+        yield
+    finally:
+        _handshakes.pop()
 
 
 def record_collective(kind: str, op: str, payload: torch.Tensor, group_size: int) -> None:

@@ -19,6 +19,15 @@ forward is still running when a backward ends must stay gathered: the rest of it
 So post-backward and the final callback leave a unit with ``in_forward`` set gathered (its gradients are reduced
 as usual), and its own post-forward decides as it always does.
 
+[Note: hooks stay out of compiled graphs] ``torch.compile`` of the whole model would otherwise trace these hooks:
+the gathers, the storage resizes and the unit state machine are Python side effects on tensors whose sizes
+dynamo makes symbolic (automatic dynamic shapes), and the traced ``split_with_sizes_copy`` then rejects them. So
+the four runtime entry points (pre-/post-forward, pre-backward, gradient accumulated) are
+``torch.compiler.disable``d: dynamo breaks the graph around each hook call and runs the hook eagerly, and the
+compute between hooks -- the blocks themselves -- compiles into graphs. The full parameters keep their identity
+across steps (see [Note: storage freeing and tensor identity] in ``param.py``), so the graphs' guards on them hold
+and nothing recompiles. ``tests/test_engine_compile.py`` counts the graph breaks this costs.
+
 [Note: post-backward by counting] A post-accumulate-grad hook fires exactly once per backward for every leaf that
 received a gradient, after all its uses have been summed (a unit called twice included). When the count reaches
 the unit's trainable parameters, its gradients are complete. A unit some of whose parameters got no gradient
@@ -33,9 +42,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_fsdp.engine.buffers import BufferPool
+from lightning_fsdp.engine.fingerprint import check_same_model
+from lightning_fsdp.engine.ledger import Ledger
 from lightning_fsdp.engine.options import BackwardPrefetch
 from lightning_fsdp.engine.registry import units_under
 from lightning_fsdp.engine.shm import SharedMemoryTransport
@@ -57,6 +69,7 @@ class RootContext:
         self.pending: deque[PendingGradReduction] = deque()
         self.pool = BufferPool()
         self.transport: SharedMemoryTransport | None = None
+        self.ledger: Ledger | None = None  # numbers the units' collectives (see [Note: collective identity])
         self.callback_queued = False
 
     def lazy_init(self) -> None:
@@ -68,10 +81,23 @@ class RootContext:
                 "units under one root use different process groups; pass the same process_group to every "
                 "fully_shard call of one model."
             )
+        module_names = {id(m): name for name, m in self.root.module.named_modules()}
         for unit in self.units:
             unit.is_root = unit is self.root
             unit.context = self
+            unit.name = module_names.get(id(unit.module)) or "<root>"
+        groups = [g for g in (self.root.shard_group, self.root.replicate_group) if g is not None and g.size() > 1]
+        if groups:
+            self._check_same_model(groups)
+            self.ledger = Ledger([unit.name for unit in self.units], groups)
         self.transport = self._shared_memory_transport()
+
+    def _check_same_model(self, groups: list[ProcessGroup]) -> None:
+        """One small collective per group (see ``fingerprint.py``): every rank must have built the same model."""
+        param_names = {id(p): name for name, p in self.root.module.named_parameters()}
+        prints = [unit.fingerprint(param_names) for unit in self.units]
+        for group in groups:
+            check_same_model(prints, group)
 
     def _shared_memory_transport(self) -> SharedMemoryTransport | None:
         """A collective over the shard group (this runs at the root's first forward, on every rank alike)."""
@@ -156,6 +182,7 @@ def context_of(unit: FSDPUnit) -> RootContext:
 # ----- stages 1-3: forward -----------------------------------------------------------------------------------------
 
 
+@torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
 def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     context = context_of(unit)
     if unit.training_state is TrainingState.PRE_BACKWARD:  # recomputation under activation checkpointing
@@ -180,6 +207,7 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
+@torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
 def post_forward(unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) -> Any:
     context = context_of(unit)
     if unit.training_state is TrainingState.PRE_BACKWARD:  # recomputation: backward needs the parameters next
@@ -199,6 +227,7 @@ def post_forward(unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) ->
 # ----- stages 4-5: backward ----------------------------------------------------------------------------------------
 
 
+@torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
 def pre_backward(unit: FSDPUnit) -> None:
     context = context_of(unit)
     context.queue_final_callback()
@@ -209,6 +238,7 @@ def pre_backward(unit: FSDPUnit) -> None:
     context.unshard_for_use(unit, context.neighbour(unit, -1) if prefetch else None)
 
 
+@torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
 def on_grad_accumulated(unit: FSDPUnit) -> None:
     # A backward that no unit's output hook announced (it ran inside the only unit's forward) still ends in stage 6.
     context_of(unit).queue_final_callback()

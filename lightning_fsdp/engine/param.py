@@ -6,6 +6,13 @@ uses only its *storage* is released (``untyped_storage().resize_(0)``) and re-al
 memory is given back while every saved reference stays a valid object. Data is written through ``.data`` aliases,
 which have their own version counter: re-gathering the same values in backward must not look to autograd like an
 in-place modification of a tensor it saved in forward.
+
+[Note: one rank keeps the parameter whole] When a parameter's rows are spread over one rank and its gradient is
+summed over no other (world size 1), in its own dtype on its own device, its shard *is* the full tensor: the
+parameter stays the very object the module registered, and the unit gathers, copies and reduces nothing. Forward
+and backward then run as the plain module does, gradients stay where autograd accumulated them, and the optimizer
+steps them in place; every API (state dicts, clipping, checkpoints) sees the same shapes and names as at any world
+size. ``devices=1`` is how users debug, so it must cost what the plain module costs.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+
+from lightning_fsdp.engine.fingerprint import value_checksum
 
 
 @dataclass(frozen=True)
@@ -60,7 +69,8 @@ class FSDPParam:
     modules (a tied embedding and output head) is swapped on both at once. ``shard_group`` is None for a
     parameter kept whole on every rank (NO_SHARD under mixed precision or offload): a "shard" of all rows.
     The shard lives on ``shard_device`` (the CPU under offload) in the parameter's own dtype -- the master
-    weights -- while the full tensor lives on ``compute_device`` in ``param_dtype``.
+    weights -- while the full tensor lives on ``compute_device`` in ``param_dtype``. ``alone``: the model runs
+    on one rank only (nothing to gather or reduce).
     """
 
     def __init__(
@@ -72,6 +82,7 @@ class FSDPParam:
         param_dtype: torch.dtype | None = None,
         offload: bool = False,
         replicate_group: ProcessGroup | None = None,
+        alone: bool = False,
     ):
         self.fqn = fqn
         self.owners = owners
@@ -80,10 +91,26 @@ class FSDPParam:
         self.shape = param.shape
         rank, world_size = (dist.get_rank(shard_group), shard_group.size()) if shard_group is not None else (0, 1)
         self.layout = ShardLayout.for_shape(param.shape, rank, world_size)
-        layout = self.layout
         self.compute_device = param.device
         shard_device = torch.device("cpu") if offload else param.device
-        pin = offload and param.device.type == "cuda"
+        # See [Note: one rank keeps the parameter whole]; ``alone``: no other rank holds or reduces this parameter.
+        self.is_whole = alone and param_dtype in (None, param.dtype) and shard_device == param.device
+        # The values every rank took its rows from, for the check that ranks built the same model (fingerprint.py).
+        self.initial_checksum = None if alone else value_checksum(param)
+        if self.is_whole:
+            self._init_whole(param)
+        else:
+            self._init_sharded(param, shard_device, param_dtype or param.dtype)
+        self._initial_version = self.sharded._version
+
+    def _init_whole(self, param: nn.Parameter) -> None:
+        whole = param if param.is_contiguous() else nn.Parameter(param.detach().contiguous(), param.requires_grad)
+        self.sharded = self.unsharded = whole
+        self._padded_shard = self._unsharded_data = whole.data.view(-1)
+
+    def _init_sharded(self, param: nn.Parameter, shard_device: torch.device, dtype: torch.dtype) -> None:
+        layout = self.layout
+        pin = shard_device.type == "cpu" and param.device.type == "cuda"
         # The padded local shard: what this rank packs into the unit's all-gather. Padding rows stay zero.
         self._padded_shard = torch.zeros(layout.shard_numel, dtype=param.dtype, device=shard_device, pin_memory=pin)
         lo, n_local = layout.start * layout.row_numel, layout.local_rows * layout.row_numel
@@ -92,11 +119,15 @@ class FSDPParam:
         shard_shape = (layout.local_rows, *param.shape[1:]) if param.dim() > 0 else (layout.local_rows,)
         self.sharded = nn.Parameter(self._padded_shard[:n_local].view(shard_shape), requires_grad=param.requires_grad)
         # The full tensor lives in a padded buffer so the all-gather output copies into it in one fused op.
-        dtype = param_dtype or param.dtype
         padded_full = torch.empty(layout.padded_numel, dtype=dtype, device=self.compute_device)
         self.unsharded = nn.Parameter(padded_full[: param.numel()].view(param.shape), requires_grad=param.requires_grad)
         self._unsharded_data = padded_full.data  # see [Note: storage freeing and tensor identity]
         self.free_unsharded()
+
+    def checksum_if_unchanged(self) -> int | None:
+        """The sharding-time checksum, or None once the shard was written since (a checkpoint loaded into it)."""
+        unchanged = self.sharded._version == self._initial_version
+        return self.initial_checksum if unchanged else None
 
     @property
     def requires_grad(self) -> bool:
@@ -118,12 +149,16 @@ class FSDPParam:
         return self._unsharded_data
 
     def alloc_unsharded(self) -> None:
+        if self.is_whole:
+            return
         storage = self._unsharded_data.untyped_storage()
         nbytes = self._unsharded_data.numel() * self._unsharded_data.element_size()
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
 
     def free_unsharded(self) -> None:
+        if self.is_whole:  # the one tensor is the shard too: its memory is never given back
+            return
         self._unsharded_data.untyped_storage().resize_(0)
 
     @property
@@ -166,6 +201,8 @@ class FSDPParam:
 
     def write_back_from_unsharded(self) -> None:
         """Copy this rank's rows of the (possibly user-modified) full tensor back into the shard."""
+        if self.is_whole:  # they are one tensor
+            return
         n_local = self.sharded.numel()
         lo = self.layout.start * self.layout.row_numel
         with torch.no_grad():

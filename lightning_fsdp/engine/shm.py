@@ -21,14 +21,21 @@ sees the same busy slots, so all of them do); a training step keeps at most four
 reductions).
 
 Barriers are gloo collectives, so a rank that dies makes the others fail with gloo's timeout rather than hang.
-Set ``LIGHTNING_FSDP_SHARED_MEMORY=0`` to keep everything on gloo. Each segment is a file in ``/dev/shm``, allocated
-in full when it is created (``SLOTS`` x the largest unit's send buffer: 48 MiB a rank for the 25M-parameter benchmark
-model) and removed as soon as every rank has mapped it: the memory lives exactly as long as the processes that map it.
+Each slot starts with a header holding the identity of the collective written there (see [Note: collective
+identity] in ``ledger.py``): a rank that entered another collective is named at once instead of read.
+Set ``LIGHTNING_FSDP_SHARED_MEMORY=0`` to keep everything on gloo.
+
+[Note: segment lifetime] A segment is an anonymous memory file (``memfd_create``), never a file in ``/dev/shm``:
+other ranks open it through ``/proc/<pid>/fd/<fd>`` of its creator, and the creator closes that descriptor as soon
+as every rank has mapped it. The memory then lives exactly as long as the processes that map it, and a rank killed
+at any moment -- before the others mapped its segment included -- leaves nothing behind for anyone to clean up. It
+is allocated in full when it is created (``SLOTS`` x the largest unit's send buffer: 48 MiB a rank for the
+25M-parameter benchmark model), so running out of memory is a refusal at creation (every rank falls back to gloo),
+not a SIGBUS mid-training.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import uuid
 from collections import deque
@@ -38,39 +45,43 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine.comm_stats import record_collective
+from lightning_fsdp.engine.ledger import STAMP_NUMEL, Stamp
 
 ENV_SWITCH = "LIGHTNING_FSDP_SHARED_MEMORY"
-SHM_DIR = "/dev/shm"
+SEGMENT_NAME = "lightning_fsdp"  # how the segments show in /proc/<pid>/maps: "/memfd:lightning_fsdp-<pid> (deleted)"
 SLOTS = 4
 _ALIGN = 64  # bytes: keeps every slot aligned for vectorised copies of any dtype
+HEADER_BYTES = _ALIGN  # the identity of the collective in the slot (see [Note: collective identity] in ledger.py)
 
 
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
-def _reserve(path: str, nbytes: int) -> bool:
-    """Create the segment's file with all its memory allocated now; False if ``/dev/shm`` lacks the room.
+def _reserve(nbytes: int) -> int | None:
+    """A new anonymous memory file with all its memory allocated now (its descriptor); None if that fails.
 
-    A sparse file would take its pages only as collectives first write them, and the ranks of one host share one
-    ``/dev/shm``: running out then kills the process with SIGBUS in the middle of training. Allocating up front
-    turns that into a refusal here, on the rank that ran out, before any rank depends on the transport.
+    A sparse file would take its pages only as collectives first write them: running out of memory then kills the
+    process with SIGBUS in the middle of training. Allocating up front turns that into a refusal here, on the rank
+    that ran out, before any rank depends on the transport. See [Note: segment lifetime].
     """
+    memfd_create = getattr(os, "memfd_create", None)
+    if memfd_create is None:  # not Linux
+        return None
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    except OSError:  # no /dev/shm here, or no permission
-        return False
+        fd = memfd_create(f"{SEGMENT_NAME}-{os.getpid()}", os.MFD_CLOEXEC)
+    except OSError:
+        return None
     try:
         os.posix_fallocate(fd, 0, nbytes)
-        return True
     except OSError:
-        return False
-    finally:
         os.close(fd)
+        return None
+    return fd
 
 
 def _map(path: str, nbytes: int) -> torch.Tensor:
-    """A file of ``nbytes`` in ``/dev/shm``, created if missing, mapped shared: writes are seen by every mapper.
+    """The memory file at ``path`` (``/proc/<pid>/fd/<fd>``) mapped shared: writes are seen by every mapper.
 
     Never an inference tensor, though the first forward may run under Lightning's ``inference_mode`` (validation):
     training writes into these slots outside it, where an inference tensor accepts in-place writes only under
@@ -80,63 +91,70 @@ def _map(path: str, nbytes: int) -> torch.Tensor:
         return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
+def _stride(slot_bytes: int) -> int:
+    """Bytes from one slot to the next: its header, then its data."""
+    return HEADER_BYTES + slot_bytes
+
+
 def _peer(path: str, nbytes: int, token: bytes) -> torch.Tensor | None:
     """Another rank's segment, if this rank sees the very memory that rank wrote its token to."""
-    if not os.path.exists(path):
+    try:
+        segment = _map(path, nbytes)
+    except RuntimeError:  # another host, or another pid namespace: no such process here, or no access to it
         return None
-    segment = _map(path, nbytes)
     return segment if bytes(segment[: len(token)].tolist()) == token else None
 
 
 class SharedMemoryTransport:
-    """Every rank of ``group`` maps every other rank's segment of ``SLOTS`` slots of ``slot_bytes`` each."""
+    """Every rank of ``group`` maps every other rank's segment of ``SLOTS`` slots, each a header and ``slot_bytes``."""
 
     def __init__(self, group: ProcessGroup, slot_bytes: int, segments: list[torch.Tensor]) -> None:
         self.group = group
         self.rank = group.rank()
         self.world_size = group.size()
-        self.slot_bytes = slot_bytes
+        self.slot_bytes = slot_bytes  # the data a slot holds, after its header
         self.segments = segments  # uint8, one per rank of the group, in group rank order (this rank's own too)
         self._free = deque(range(SLOTS))  # free slots, the longest free first
         self._released: list[dist.Work | None] = [None] * SLOTS  # the barrier saying every rank has read the slot
+        for slot in range(SLOTS):  # no collective in any slot yet (the first header held the creation token)
+            self._header(self.rank, slot).fill_(-1)
 
     @property
     def resident_bytes(self) -> int:
         """This rank's memory in shared memory: its whole segment, allocated when the transport was created."""
-        return SLOTS * self.slot_bytes
+        return SLOTS * _stride(self.slot_bytes)
 
     @staticmethod
     def create(group: ProcessGroup | None, slot_bytes: int) -> SharedMemoryTransport | None:
         """A collective over ``group``: the transport, or None where its ranks cannot share memory (on every rank).
 
         None for no group, a group of one rank or over another backend than gloo, when it is switched off or
-        ``/dev/shm`` lacks room for every rank's segment, and for ranks that do not see each other's segments (other
-        hosts, containers with their own ``/dev/shm``): each rank checks a random token every other rank wrote.
+        memory lacks room for every rank's segment, and for ranks that do not see each other's segments (other
+        hosts, other pid namespaces): each rank checks a random token every other rank wrote.
         """
         if group is None or group.size() == 1 or dist.get_backend(group) != dist.Backend.GLOO or slot_bytes <= 0:
             return None
         slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
-        wanted = SLOTS * slot_bytes
-        name, token = f"lightning_fsdp-{uuid.uuid4().hex}", uuid.uuid4().bytes
-        path = os.path.join(SHM_DIR, name)
+        wanted = SLOTS * _stride(slot_bytes)
+        token = uuid.uuid4().bytes
+        fd = _reserve(wanted) if enabled() else None
         try:
-            reserved = enabled() and _reserve(path, wanted)
             offers: list[tuple[str, bytes, bool] | None] = [None] * group.size()
-            dist.all_gather_object(offers, (name, token, reserved), group=group)
+            dist.all_gather_object(offers, (f"/proc/{os.getpid()}/fd/{fd}", token, fd is not None), group=group)
             if not all(ok for _, _, ok in offers):
                 return None
-            mine = _map(path, wanted)
+            mine = _map(f"/proc/self/fd/{fd}", wanted)
             mine[: len(token)] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
-            dist.barrier(group=group)  # every segment exists, with its token, before anyone maps it
+            dist.barrier(group=group)  # every segment holds its token before anyone maps it
             segments = [
-                mine if rank == group.rank() else _peer(os.path.join(SHM_DIR, other), wanted, expected)
-                for rank, (other, expected, _) in enumerate(offers)
+                mine if rank == group.rank() else _peer(path, wanted, expected)
+                for rank, (path, expected, _) in enumerate(offers)
             ]
             agreed: list[bool | None] = [None] * group.size()
             dist.all_gather_object(agreed, all(s is not None for s in segments), group=group)  # all have mapped
         finally:
-            with contextlib.suppress(FileNotFoundError):  # never created, when switched off or out of room
-                os.unlink(path)
+            if fd is not None:  # see [Note: segment lifetime]
+                os.close(fd)
         if not all(agreed):
             return None
         return SharedMemoryTransport(group, slot_bytes, segments)
@@ -156,8 +174,22 @@ class SharedMemoryTransport:
 
     def view(self, rank: int, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """``numel`` elements of ``dtype`` at the start of ``rank``'s ``slot`` (this rank's own: to write into)."""
-        start = slot * self.slot_bytes
+        start = slot * _stride(self.slot_bytes) + HEADER_BYTES
         return self.segments[rank][start : start + numel * dtype.itemsize].view(dtype)
+
+    def _header(self, rank: int, slot: int) -> torch.Tensor:
+        start = slot * _stride(self.slot_bytes)
+        return self.segments[rank][start : start + STAMP_NUMEL * 8].view(torch.int64)
+
+    def stamp(self, slot: int, stamp: Stamp | None) -> None:
+        """Write the identity of the collective this rank is about to publish in ``slot`` into its header."""
+        if stamp is not None:
+            self._header(self.rank, slot).copy_(stamp.as_tensor())
+
+    def verify(self, slot: int, stamp: Stamp | None) -> None:
+        """After the publishing barrier: every rank's header of ``slot`` must hold this rank's stamp."""
+        if stamp is not None:
+            stamp.verify(torch.stack([self._header(rank, slot) for rank in range(self.world_size)]), self.group)
 
     def publish(self) -> dist.Work:
         """After writing this rank's slot: the barrier that, once complete, says every rank has written its own."""
@@ -172,14 +204,18 @@ class SharedMemoryTransport:
 class PendingSharedGather:
     """An all-gather through ``slot``: ``wait`` returns every rank's packed shards, one 1-D view per rank."""
 
-    def __init__(self, transport: SharedMemoryTransport, slot: int, numel: int, dtype: torch.dtype) -> None:
-        self.transport, self.slot, self.numel, self.dtype = transport, slot, numel, dtype
-        self.written = transport.publish()
+    def __init__(
+        self, transport: SharedMemoryTransport, slot: int, send: torch.Tensor, stamp: Stamp | None = None
+    ) -> None:
+        self.transport, self.slot, self.numel, self.dtype, self.stamp = transport, slot, send.numel(), send.dtype, stamp
+        transport.stamp(slot, stamp)
+        self.written: dist.Work | None = transport.publish()
 
     def wait(self) -> list[torch.Tensor]:
         if self.written is not None:
             self.written.wait()
             self.written = None
+            self.transport.verify(self.slot, self.stamp)
         transport = self.transport
         return [transport.view(rank, self.slot, self.numel, self.dtype) for rank in range(transport.world_size)]
 
@@ -200,23 +236,31 @@ def send_buffer(
     return transport.view(transport.rank, slot, numel, dtype), slot
 
 
-def all_gather(transport: SharedMemoryTransport, slot: int, send: torch.Tensor) -> PendingSharedGather:
-    """Start the all-gather of ``send`` (already written into this rank's ``slot``)."""
+def all_gather(
+    transport: SharedMemoryTransport, slot: int, send: torch.Tensor, stamp: Stamp | None = None
+) -> PendingSharedGather:
+    """Start the all-gather of ``send`` (already written into this rank's ``slot``), identified by ``stamp``."""
     record_collective("all_gather", "shm::all_gather", send, transport.world_size)
-    return PendingSharedGather(transport, slot, send.numel(), send.dtype)
+    return PendingSharedGather(transport, slot, send, stamp)
 
 
-def reduce_scatter(transport: SharedMemoryTransport, slot: int, send: torch.Tensor) -> PendingSharedReduceScatter:
+def reduce_scatter(
+    transport: SharedMemoryTransport, slot: int, send: torch.Tensor, stamp: Stamp | None = None
+) -> PendingSharedReduceScatter:
     """Start the reduce-scatter of the (world_size, shard) ``send`` (already written into this rank's ``slot``)."""
     record_collective("reduce_scatter", "shm::reduce_scatter", send, transport.world_size)
-    return PendingSharedReduceScatter(transport, slot, send.size(1), send.dtype)
+    return PendingSharedReduceScatter(transport, slot, send, stamp)
 
 
 class PendingSharedReduceScatter:
     """A reduce-scatter through ``slot``; ``wait`` returns the sum over ranks of row ``rank``, in a new tensor."""
 
-    def __init__(self, transport: SharedMemoryTransport, slot: int, columns: int, dtype: torch.dtype) -> None:
-        self.transport, self.slot, self.columns, self.dtype = transport, slot, columns, dtype
+    def __init__(
+        self, transport: SharedMemoryTransport, slot: int, send: torch.Tensor, stamp: Stamp | None = None
+    ) -> None:
+        self.transport, self.slot, self.columns, self.dtype = transport, slot, send.size(1), send.dtype
+        self.stamp = stamp
+        transport.stamp(slot, stamp)
         self.written: dist.Work | None = transport.publish()
         self.result: torch.Tensor | None = None
 
@@ -224,6 +268,7 @@ class PendingSharedReduceScatter:
         if self.result is None:
             assert self.written is not None
             self.written.wait()
+            self.transport.verify(self.slot, self.stamp)
             transport, world_size = self.transport, self.transport.world_size
             numel = world_size * self.columns
             rows = [

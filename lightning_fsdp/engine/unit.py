@@ -17,6 +17,8 @@ from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine import collectives, shm
 from lightning_fsdp.engine.buffers import BufferPool
+from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, value_checksum
+from lightning_fsdp.engine.ledger import Stamp
 from lightning_fsdp.engine.options import ShardingOptions
 from lightning_fsdp.engine.param import FSDPParam
 
@@ -79,6 +81,7 @@ class FSDPUnit:
         options: ShardingOptions,
     ) -> None:
         self.module = module
+        self.name = type(module).__name__  # its path under the root, once the root's lazy init has named it
         self.params = params
         self.replicated = replicated
         self.shard_group, self.replicate_group = groups
@@ -86,6 +89,8 @@ class FSDPUnit:
         replicas = self.replicate_group.size() if self.replicate_group is not None else 1
         self.total_world_size = self.world_size * replicas
         self.options = options
+        # See [Note: one rank keeps the parameter whole] in param.py: nothing to gather, copy or reduce.
+        self.is_whole = bool(params) and all(p.is_whole for p in params)
         self.shard_state = ShardState.SHARDED if params else ShardState.UNSHARDED
         self.training_state = TrainingState.IDLE
         self.is_root = False
@@ -106,6 +111,11 @@ class FSDPUnit:
         """The root's shared-memory transport for the shard group, if its ranks share a host (see ``shm.py``)."""
         return self.context.transport if self.context is not None else None
 
+    def stamp(self, kind: str, numel: int, dtype: torch.dtype) -> Stamp | None:
+        """The identity of this unit's next collective (see [Note: collective identity]); none before a root."""
+        ledger = self.context.ledger if self.context is not None else None
+        return ledger.stamp(kind, numel * dtype.itemsize, self.name) if ledger is not None else None
+
     def collective_bytes(self) -> int:
         """The largest send buffer this unit's collectives fill: its packed shards, or its reduced gradients."""
         if not self.params:
@@ -116,6 +126,17 @@ class FSDPUnit:
         reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or param_dtype
         return max(shard_numel * param_dtype.itemsize, self.world_size * trainable_numel * reduce_dtype.itemsize)
 
+    def fingerprint(self, name_of: dict[int, str]) -> UnitPrint:
+        """What this rank built for this unit; ``name_of`` names the replicated parameters (by id)."""
+        params = [
+            ParamPrint(p.fqn, tuple(p.shape), str(p.sharded.dtype), p.requires_grad, p.checksum_if_unchanged())
+            for p in self.params
+        ] + [
+            ParamPrint(name_of.get(id(p), "?"), tuple(p.shape), str(p.dtype), p.requires_grad, value_checksum(p))
+            for p in self.replicated
+        ]
+        return UnitPrint(self.name, type(self.module).__name__, tuple(params))
+
     def __repr__(self) -> str:
         return f"FSDPUnit({type(self.module).__name__}, params={len(self.params) + len(self.replicated)})"
 
@@ -125,13 +146,17 @@ class FSDPUnit:
         """Start gathering the full parameters (asynchronously); a no-op when they are gathered or in flight."""
         if self.shard_state is not ShardState.SHARDED:
             return
+        if self.is_whole:
+            self.shard_state = ShardState.UNSHARDED  # the registered parameters are the full ones already
+            return
         for fsdp_param in self.params:
             fsdp_param.alloc_unsharded()
         shards = [fsdp_param.padded_shard for fsdp_param in self.params]
         dtype = self.options.mixed_precision.param_dtype or shards[0].dtype
+        stamp = self.stamp("all-gather", sum(shard.numel() for shard in shards), dtype) if self.world_size > 1 else None
         with torch.no_grad():
             self._pending_gather = collectives.all_gather_shards(
-                shards, self.shard_group, self.world_size, dtype, self.pool(), self.transport()
+                shards, self.shard_group, self.world_size, dtype, self.pool(), self.transport(), stamp
             )
         self.shard_state = ShardState.UNSHARDING
 
@@ -181,6 +206,8 @@ class FSDPUnit:
 
     def reduce_grads(self) -> PendingGradReduction | None:
         """Launch the one gradient collective of this unit; frozen parameters take no part in it."""
+        if self.is_whole:  # the gradients autograd accumulated are the final ones
+            return None
         if self.params:
             return self._reduce_scatter_grads()
         return self._all_reduce_grads()
@@ -208,7 +235,8 @@ class FSDPUnit:
         for fsdp_param in trainable:
             fsdp_param.unsharded.grad = None
         shared = (transport, slot) if transport is not None and slot is not None else None
-        pending = collectives.reduce_scatter(send, self.shard_group, self.world_size, pool, shared)
+        stamp = self.stamp("reduce-scatter", send.numel(), send.dtype) if self.world_size > 1 else None
+        pending = collectives.reduce_scatter(send, self.shard_group, self.world_size, pool, shared, stamp)
         return PendingGradReduction(self, pending, had_grad, divide_after)
 
     def _all_reduce_grads(self) -> PendingGradReduction | None:
@@ -222,7 +250,8 @@ class FSDPUnit:
             if reduce_dtype is not None and flat.dtype != reduce_dtype:
                 flat = flat.to(reduce_dtype)
             divide_after = self._divide_before_reducing(flat)
-        pending = collectives.all_reduce(flat, self.replicate_group, self.total_world_size)
+        stamp = self.stamp("all-reduce", flat.numel(), flat.dtype) if self.total_world_size > 1 else None
+        pending = collectives.all_reduce(flat, self.replicate_group, self.total_world_size, stamp)
         return PendingGradReduction(self, pending, had_grad, divide_after)
 
     def _divide_before_reducing(self, send: torch.Tensor) -> bool:

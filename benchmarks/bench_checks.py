@@ -1,0 +1,129 @@
+"""What the checks that ranks agree cost: the model fingerprint at the first forward, the collective identities after.
+
+    python benchmarks/bench_checks.py                  # the bench_engine default model, 2 gloo ranks, 1 thread each
+    python benchmarks/bench_checks.py --preset tiny    # seconds
+
+Each rank trains ``ours`` (FULL_SHARD) of ``benchmarks/bench_engine.py`` over the shared-memory transport and then
+over gloo alone (``LIGHTNING_FSDP_SHARED_MEMORY=0``), and times, with ``time.perf_counter`` around the functions
+themselves, every moment it spends in them: ``check_same_model`` (once, at the root's lazy init), and per collective
+the stamp written into a shared-memory slot's header and its comparison after the barrier, or the stamp exchange
+over gloo. The gloo exchange is a synchronisation point, so its time includes waiting for the slower rank, wait that
+the data collective right after it would otherwise absorb: the per-step figure is an upper bound, and a third run
+over gloo with the exchange skipped gives the baseline step time to compare with. Printed: the time per step in the
+checks, the median step time, and their ratio (the target is under 1%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_engine  # noqa: E402
+
+from lightning_fsdp.engine import hooks, ledger, shm  # noqa: E402
+from lightning_fsdp.process_exit import exit_now  # noqa: E402
+
+SPENT: Counter[str] = Counter()
+
+
+def _timed(owner: Any, name: str, label: str) -> None:
+    """Wrap ``owner.name`` so that every call adds its wall time to ``SPENT[label]``."""
+    original: Callable[..., Any] = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            SPENT[label] += time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+
+
+def _skip_exchange(stamp: ledger.Stamp, group: dist.ProcessGroup) -> None:
+    """No identity exchange at all: the baseline the gloo row is compared with (this benchmark only)."""
+
+
+def _rank(rank: int, world_size: int, port: int, args: bench_engine.BenchArgs, steps: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=600))
+    _timed(hooks, "check_same_model", "fingerprint")  # hooks imported the name: wrap it where it is called
+    _timed(ledger.Stamp, "exchange", "identity")
+    _timed(shm.SharedMemoryTransport, "stamp", "identity")
+    _timed(shm.SharedMemoryTransport, "verify", "identity")
+    tokens = bench_engine.load_corpus(max_bytes=bench_engine.CORPUS_BYTES)
+    generator = torch.Generator().manual_seed(rank)
+    lines = []
+    timed_exchange = ledger.Stamp.exchange
+    for name, transport, exchange in (
+        ("shared memory", "1", timed_exchange),
+        ("gloo alone", "0", timed_exchange),
+        ("gloo, unchecked", "0", _skip_exchange),  # the baseline: what the step costs without the exchange
+    ):
+        ledger.Stamp.exchange = exchange
+        os.environ[shm.ENV_SWITCH] = transport
+        SPENT.clear()
+        trainee = bench_engine.build("ours", args)
+        optimizer = torch.optim.AdamW(trainee.model.parameters(), lr=args.lr, foreach=True)
+        batches = [bench_engine.random_batches(tokens, args.batch_size, args.block_size, generator) for _ in range(2)]
+        bench_engine.train_step(trainee, optimizer, batches[0], args)  # lazy init and warm-up
+        fingerprint_s, SPENT["identity"] = SPENT["fingerprint"], 0.0
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            bench_engine.train_step(trainee, optimizer, batches[1], args)
+            times.append(time.perf_counter() - start)
+        step = statistics.median(times)
+        identity = SPENT["identity"] / steps
+        lines.append(
+            f"rank {rank} {name:>15s}: step {step * 1e3:7.1f} ms | identity checks {identity * 1e3:6.2f} ms/step "
+            f"= {identity / step:6.2%} | fingerprint once {fingerprint_s * 1e3:6.1f} ms = {fingerprint_s / step:6.2%} "
+            "of one step"
+        )
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, lines)
+    if rank == 0:
+        Path(out).write_text("\n".join(line for rank_lines in gathered for line in rank_lines))
+    dist.destroy_process_group()
+    exit_now()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(bench_engine.PRESETS), default="default")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per transport")
+    parser.add_argument("--world-size", type=int, default=2)
+    options = parser.parse_args()
+    args = bench_engine.parse_args(["--preset", options.preset, "--world-size", str(options.world_size)])
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "lines.txt"
+        mp.start_processes(
+            _rank,
+            args=(options.world_size, bench_engine._free_port(), args, options.steps, str(out)),
+            nprocs=options.world_size,
+            start_method="spawn",
+        )
+        print(out.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -116,7 +116,16 @@ def fully_shard(
         _cast_buffers(module, options.mixed_precision.buffer_dtype)
     for unit in existing_units:
         unit.context = None  # the new root claims them at its first forward
+    _mark_fsdp_managed(module)
     return module
+
+
+def _mark_fsdp_managed(module: nn.Module) -> None:
+    """Set the attribute torch's FSDP sets on every module it manages, which libraries read to know that a forward
+    is a collective: transformers' ``generate`` then keeps a rank that met its end token stepping (``synced_gpus``)
+    until every rank is done, instead of leaving the others waiting in a gather forever."""
+    for submodule in module.modules():
+        submodule._is_fsdp_managed_module = True
 
 
 class _UnitBuilder:

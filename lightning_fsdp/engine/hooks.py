@@ -6,7 +6,7 @@ Read top to bottom, this file is the six stages of DESIGN.md's "One training ste
 2. unit pre-forward: unshard (or wait for the prefetched gather), prefetch the next unit in forward order;
 3. unit post-forward: reshard (FULL_SHARD, non-root), hook the outputs so backward announces itself;
 4. unit pre-backward: unshard again, prefetch the unit backward reaches next (BACKWARD_PRE);
-5. unit post-backward, once every trainable parameter of the unit has its gradient: reshard, reduce;
+5. unit post-backward, once the unit's whole backward has run: reshard, reduce;
 6. root post-backward, a callback queued on the autograd engine: finish every reduction, reshard what is left.
 
 [Note: why the pre-backward hook sits on the outputs] Autograd runs a unit's backward right after the gradients of
@@ -32,6 +32,16 @@ and nothing recompiles. ``tests/test_engine_compile.py`` counts the graph breaks
 received a gradient, after all its uses have been summed (a unit called twice included). When the count reaches
 the unit's trainable parameters, its gradients are complete. A unit some of whose parameters got no gradient
 (an unused branch) is reduced by the final callback instead, in reverse forward order on every rank alike.
+
+[Note: post-backward of partly frozen units] Complete gradients do not mean a finished backward when some of the
+unit's parameters are frozen: a frozen norm used first in forward is read last in backward, to compute the gradient
+of the unit's input, after every trainable gradient is in. Resharding then frees memory autograd is about to read
+(SIGSEGV with RMSNorm, wrong input gradients when the memory is reused). A unit with a frozen sharded parameter
+therefore also waits for the gradients of its forward inputs -- a hook on the inputs that need one, as torch's FSDP2
+does -- and, when none of its inputs needs a gradient (the first unit, whose inputs are token ids), for the final
+callback. Which nodes can read a frozen parameter: one whose outputs are gradients of trainable parameters (it runs
+before their accumulation, so the count covers it) or of the unit's inputs (the input hook covers it). Units with
+every parameter trainable keep the count alone, so their reductions start as early as before.
 """
 
 from __future__ import annotations
@@ -166,6 +176,8 @@ class RootContext:
     def reshard_all(self) -> None:
         for unit in self.units:
             unit.grads_seen = 0
+            unit.input_grads_pending = 0
+            unit.awaits_final_callback = False
             if unit.in_forward:  # see [Note: backward inside a forward]
                 unit.training_state = TrainingState.FORWARD
                 continue
@@ -198,9 +210,22 @@ def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) ->
     if torch.is_grad_enabled():
         _hook_trainable_params(unit)
     precision = unit.options.mixed_precision
-    if precision.cast_forward_inputs and precision.param_dtype is not None:
-        return _cast_floating(args, precision.param_dtype), _cast_floating(kwargs, precision.param_dtype)
-    return None
+    cast = precision.cast_forward_inputs and precision.param_dtype is not None
+    if cast:
+        args, kwargs = _cast_floating(args, precision.param_dtype), _cast_floating(kwargs, precision.param_dtype)
+    if torch.is_grad_enabled() and unit.has_frozen_sharded_params():
+        _hook_input_grads(unit, args, kwargs)
+    return (args, kwargs) if cast else None
+
+
+def _hook_input_grads(unit: FSDPUnit, args: tuple, kwargs: dict) -> None:
+    """See [Note: post-backward of partly frozen units]."""
+    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not inputs:
+        unit.awaits_final_callback = True
+        return
+    unit.input_grads_pending += 1
+    register_multi_grad_hook(inputs, lambda _grads: on_input_grads(unit), mode="all")
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
@@ -243,7 +268,19 @@ def on_grad_accumulated(unit: FSDPUnit) -> None:
     # A backward that no unit's output hook announced (it ran inside the only unit's forward) still ends in stage 6.
     context_of(unit).queue_final_callback()
     unit.grads_seen += 1
-    if unit.grads_seen == unit.grads_expected and unit.training_state is not TrainingState.POST_BACKWARD:
+    _post_backward_if_done(unit)
+
+
+@torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
+def on_input_grads(unit: FSDPUnit) -> None:
+    unit.input_grads_pending = max(unit.input_grads_pending - 1, 0)
+    _post_backward_if_done(unit)
+
+
+def _post_backward_if_done(unit: FSDPUnit) -> None:
+    """Stage 5 once the unit's backward is complete (see the two notes on post-backward above)."""
+    complete = unit.grads_seen >= unit.grads_expected and unit.input_grads_pending == 0
+    if complete and not unit.awaits_final_callback and unit.training_state is not TrainingState.POST_BACKWARD:
         post_backward(unit)
 
 

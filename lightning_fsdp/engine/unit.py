@@ -102,6 +102,9 @@ class FSDPUnit:
         self.grads_expected = 0  # trainable parameters, counted at pre-forward
         self.grads_seen = 0  # gradients accumulated so far in this backward
         self.hooked_params: set[int] = set()  # ids of the grad tensors carrying our post-accumulate hook
+        # See [Note: post-backward of partly frozen units] in hooks.py.
+        self.input_grads_pending = 0  # forwards of this step whose input gradients backward has yet to compute
+        self.awaits_final_callback = False  # frozen parameters, no input needing a gradient: stage 6 finishes it
 
     def pool(self) -> BufferPool:
         """The root's pool of collective buffers (see [Note: why pool on CPU]); none before the first forward."""
@@ -203,6 +206,11 @@ class FSDPUnit:
 
     def num_trainable(self) -> int:
         return sum(p.requires_grad for p in self.params) + sum(p.requires_grad for p in self.replicated)
+
+    def has_frozen_sharded_params(self) -> bool:
+        """Whether a parameter whose full tensor is freed after backward takes no gradient (backward may still
+        read it after every trainable gradient is in)."""
+        return not self.is_whole and any(not p.requires_grad for p in self.params)
 
     def reduce_grads(self) -> PendingGradReduction | None:
         """Launch the one gradient collective of this unit; frozen parameters take no part in it."""

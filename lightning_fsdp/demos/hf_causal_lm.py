@@ -25,7 +25,12 @@ from typing_extensions import override
 from lightning_fsdp.checkpoint.pretrained import load_pretrained
 from lightning_fsdp.demos.lora import add_lora
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+# The demo datamodule's (inputs, targets) pairs, or a plain tensor of token ids: the model shifts labels itself.
+Batch = tuple[torch.Tensor, torch.Tensor] | torch.Tensor
+
+
+def _token_ids(batch: Batch) -> torch.Tensor:
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
 class HFCausalLM(LightningModule):
@@ -88,14 +93,14 @@ class HFCausalLM(LightningModule):
 
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        inputs, _ = batch
+        inputs = _token_ids(batch)
         loss = self(inputs, labels=inputs).loss
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     @override
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
-        inputs, _ = batch
+        inputs = _token_ids(batch)
         self.log("val_loss", self(inputs, labels=inputs).loss, sync_dist=True)
 
     @override

@@ -41,6 +41,12 @@ from lightning_fsdp.process_exit import exit_after_distributed_run
 MESSAGES: dict[str, str] = {}
 
 
+def seeded(cls: type[L.LightningModule] = LitGPT) -> L.LightningModule:
+    """A model with the same initial weights on every rank (the engine refuses ranks that differ)."""
+    torch.manual_seed(0)
+    return cls()
+
+
 def strategy(**options: Any) -> FSDPStrategy:
     return FSDPStrategy(auto_wrap_policy={Block}, **options)
 
@@ -75,7 +81,7 @@ def hostile_entry_points(out: Path) -> None:
                     UntrustedCheckpointError,
                     "posix.system, which is not plain data",
                     getattr(trainer, call),
-                    LitGPT(),
+                    seeded(),
                     ckpt_path=path,
                     weights_only=weights_only,
                     **loaders,
@@ -87,7 +93,7 @@ def hostile_entry_points(out: Path) -> None:
         UntrustedCheckpointError,
         "weights_only=False",
         trainer.validate,
-        LitGPT(),
+        seeded(),
         token_loader(4, 2),
         ckpt_path=out / "hostile" / "evil.ckpt",
         weights_only=True,
@@ -105,27 +111,29 @@ class WithFraction(LitGPT):
 
 def trusted_resume(out: Path) -> None:
     trainer = make_trainer(strategy(), max_steps=2)
-    trainer.fit(WithFraction(), token_loader(8, 2))
+    trainer.fit(seeded(WithFraction), token_loader(8, 2))
     trainer.save_checkpoint(out / "fraction.ckpt")
     expect_refusal(
         "foreign object without opt-in",
         UntrustedCheckpointError,
         "fractions.Fraction",
         make_trainer(strategy(), max_steps=3).fit,
-        WithFraction(),
+        seeded(WithFraction),
         token_loader(8, 2),
         ckpt_path=out / "fraction.ckpt",
     )
     for options, weights_only in (({}, False), ({"trust_checkpoint": True}, None)):
         trainer = make_trainer(strategy(**options), max_steps=3)
-        trainer.fit(WithFraction(), token_loader(8, 2), ckpt_path=out / "fraction.ckpt", weights_only=weights_only)
+        trainer.fit(
+            seeded(WithFraction), token_loader(8, 2), ckpt_path=out / "fraction.ckpt", weights_only=weights_only
+        )
         assert trainer.global_step == 3
 
 
 def user_paths(out: Path) -> None:
     for state_dict_type in ("full", "sharded"):
         trainer = make_trainer(strategy(state_dict_type=state_dict_type), max_steps=1)
-        trainer.fit(LitGPT(), token_loader(4, 2))
+        trainer.fit(seeded(), token_loader(4, 2))
         expect_refusal(
             f"{state_dict_type} save onto the user's folder",
             FileExistsError,
@@ -153,12 +161,12 @@ def async_saves(out: Path) -> None:
             callbacks=[every_step],
             enable_checkpointing=True,
         )
-        trainer.fit(LitGPT(), token_loader(12, 2))
+        trainer.fit(seeded(), token_loader(12, 2))
         torch.distributed.barrier()  # rank 0's teardown waited for its background writes
         names = sorted(p.name for p in folder.iterdir())
         assert names == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "last.ckpt"], names
         resumed = make_trainer(strategy(state_dict_type=state_dict_type), max_steps=4)
-        resumed.fit(LitGPT(), token_loader(16, 2), ckpt_path=folder / "last.ckpt")
+        resumed.fit(seeded(), token_loader(16, 2), ckpt_path=folder / "last.ckpt")
         assert resumed.global_step == 4
 
 
@@ -166,7 +174,7 @@ def mixed_precision_round_trip(out: Path) -> None:
     for precision in ("bf16-mixed", "16-mixed"):
         L.seed_everything(0)
         straight = make_trainer(strategy(), max_steps=4, precision=precision)
-        straight.fit(LitGPT(), token_loader(8, 2))  # 2 steps an epoch, the same order every epoch
+        straight.fit(seeded(), token_loader(8, 2))  # 2 steps an epoch, the same order every epoch
         expected = shards(straight)
         L.seed_everything(0)
         # Saved by ModelCheckpoint at the end of the first epoch: a point Lightning resumes from exactly.
@@ -174,7 +182,7 @@ def mixed_precision_round_trip(out: Path) -> None:
         first = make_trainer(
             strategy(), max_steps=2, precision=precision, callbacks=[at_step_2], enable_checkpointing=True
         )
-        first.fit(LitGPT(), token_loader(8, 2))
+        first.fit(seeded(), token_loader(8, 2))
         path = out / precision / "epoch=0-step=2.ckpt"
         saved = torch.load(path, weights_only=True, mmap=True)["state_dict"]
         for name, param in first.lightning_module.named_parameters():
@@ -184,7 +192,7 @@ def mixed_precision_round_trip(out: Path) -> None:
             assert torch.equal(rows.reshape(param.shape), param.detach()), f"{precision}: {name} is not the shard"
         L.seed_everything(0)
         resumed = make_trainer(strategy(), max_steps=4, precision=precision)
-        resumed.fit(LitGPT(), token_loader(8, 2), ckpt_path=path)
+        resumed.fit(seeded(), token_loader(8, 2), ckpt_path=path)
         for name, value in shards(resumed).items():
             assert torch.equal(value, expected[name]), f"{precision}: resumed {name} differs from the straight run"
 

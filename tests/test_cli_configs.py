@@ -16,14 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_fsdp.cli import main
 from tests.strategy_scripts import run_in_session
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
+TINY_GPT = ["--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32"]
 TINY = [
-    *("--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32"),
     *("--data.block_size", "32", "--data.batch_size", "4", "--data.max_bytes", "30000"),
     *("--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1"),
     *("--trainer.log_every_n_steps", "1"),
@@ -33,16 +34,24 @@ ON_TWO_CPU_PROCESSES = [
     *("--data.num_workers", "0"),
 ]
 OVERRIDES = {
-    "demo.yaml": [],
-    "finetune_frozen.yaml": [],
-    "cuda_bf16.yaml": ON_TWO_CPU_PROCESSES,
+    "demo.yaml": TINY_GPT,
+    "finetune_frozen.yaml": TINY_GPT,
+    "cuda_bf16.yaml": [*TINY_GPT, *ON_TWO_CPU_PROCESSES],
     # Lightning's FSDP arguments (null defaults, deprecated alias, torch-FSDP keywords); hybrid over a (1, 2) mesh.
-    "from_lightning_fsdp.yaml": [*ON_TWO_CPU_PROCESSES, "--trainer.strategy.init_args.device_mesh", "[1, 2]"],
+    "from_lightning_fsdp.yaml": [
+        *TINY_GPT,
+        *ON_TWO_CPU_PROCESSES,
+        *("--trainer.strategy.init_args.device_mesh", "[1, 2]"),
+    ],
     "hybrid_multinode.yaml": [
+        *TINY_GPT,
         *ON_TWO_CPU_PROCESSES,
         *("--trainer.num_nodes", "1", "--trainer.strategy.init_args.device_mesh", "[1, 2]"),
     ],
+    # A transformers Llama (the tiny one examples/finetune_hf.py --make-tiny writes into the working folder).
+    "finetune_hf_llama.yaml": ["--model.init_args.lora_rank", "2"],
 }
+MODEL_CLASS = {"finetune_hf_llama.yaml": "lightning_fsdp.demos.hf_causal_lm.HFCausalLM"}
 TIMEOUT = 120.0
 
 
@@ -98,7 +107,7 @@ def print_config(args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("config", sorted(OVERRIDES))
 def test_config_parses(config: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     print_config(["--config", str(CONFIGS / config), *OVERRIDES[config]], monkeypatch)
-    assert "lightning_fsdp.demos.lit_gpt.LitGPT" in capsys.readouterr().out
+    assert MODEL_CLASS.get(config, "lightning_fsdp.demos.lit_gpt.LitGPT") in capsys.readouterr().out
 
 
 def test_the_config_a_run_saves_reproduces_it(
@@ -127,3 +136,11 @@ def test_finetune_starts_from_the_demo_checkpoint(demo_run: Run, workdir: Path) 
 @pytest.mark.parametrize("config", ["cuda_bf16.yaml", "hybrid_multinode.yaml", "from_lightning_fsdp.yaml"])
 def test_accelerator_configs_run_on_two_cpu_processes(config: str, workdir: Path) -> None:
     run_fit(config, workdir)
+
+
+def test_the_hf_config_fine_tunes_lora_adapters(workdir: Path) -> None:
+    make_tiny = [sys.executable, str(REPO / "examples" / "finetune_hf.py"), "--make-tiny", "runs/tiny_llama"]
+    run_in_session(make_tiny, workdir, TIMEOUT, "finetune_hf.py --make-tiny")
+    run = run_fit("finetune_hf_llama.yaml", workdir)
+    saved = torch.load(run.checkpoint, weights_only=True)["state_dict"]
+    assert saved and all(name.endswith(("lora_a", "lora_b")) for name in saved), sorted(saved)[:4]

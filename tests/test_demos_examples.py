@@ -2,6 +2,7 @@
 
 examples/trainer_api.py trains and tests a tiny model; examples/finetune_frozen.py then fine-tunes from its
 checkpoint with part of the model frozen, and the frozen weights must come out unchanged.
+examples/finetune_hf.py fine-tunes a tiny transformers Llama with LoRA and exports it for `from_pretrained`.
 (examples/train_gpt.py, the engine without Lightning, has its own test: test_train_gpt_example.py.)
 """
 
@@ -56,3 +57,24 @@ def test_finetune_example_leaves_frozen_weights_unchanged(trainer_api_checkpoint
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     assert not {name for name in changed if name.startswith(("model.wte.", "model.lm_head.", "model.blocks.0."))}
     assert "model.blocks.1.mlp.fc.weight" in changed and "model.ln_f.weight" in changed
+
+
+def test_finetune_hf_example_trains_lora_and_exports_for_transformers(tmp_path: Path) -> None:
+    run_example("finetune_hf.py", ["--make-tiny", str(tmp_path / "tiny")], tmp_path)
+    args = [
+        "--pretrained",
+        str(tmp_path / "tiny"),
+        "--lora-rank",
+        "4",
+        "--max-steps",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    output = run_example("finetune_hf.py", args, tmp_path)
+    adapters = torch.load(reported_checkpoint(output), weights_only=True)["state_dict"]
+    assert adapters and all(name.endswith(("lora_a", "lora_b")) for name in adapters)
+    assert re.search(r"^continuation: '.*'$", output, re.MULTILINE), output
+    assert (tmp_path / "out" / "hf" / "model.safetensors").is_file() and (
+        tmp_path / "out" / "hf" / "config.json"
+    ).is_file()

@@ -6,6 +6,7 @@ Importing the package registers the strategy names ``"myfsdp"``, ``"myfsdp_shard
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_fsdp.checkpoint.pretrained import load_pretrained
 from lightning_fsdp.engine import (
     BackwardPrefetch,
     MixedPrecision,
@@ -37,6 +38,7 @@ __all__ = [
     "clip_grad_value_",
     "estimate_memory",
     "fully_shard",
+    "load_pretrained",
     "no_sync",
     "set_requires_gradient_sync",
     "size_based_policy",

@@ -69,10 +69,17 @@ def _resume(rank: int, world_size: int, folder: str) -> None:
                 assert torch.equal(final[name], tensor), f"[{form}] {name} differs from the uninterrupted run"
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 2-rank run's checkpoints (full.ckpt, sharded/) and expected weights; tests read them, never write there."""
+    folder = tmp_path_factory.mktemp("saved")
+    run_distributed(_save, 2, str(folder))
+    return folder
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_round_trips_resume_exactly_and_load_at_any_world_size(tmp_path: Path, world_size: int) -> None:
-    run_distributed(_save, 2, str(tmp_path))
-    run_distributed(_resume, world_size, str(tmp_path))
+def test_round_trips_resume_exactly_and_load_at_any_world_size(saved: Path, world_size: int) -> None:
+    run_distributed(_resume, world_size, str(saved))
 
 
 def _refuse(rank: int, world_size: int, folder: str) -> None:
@@ -91,10 +98,9 @@ def _refuse(rank: int, world_size: int, folder: str) -> None:
         load_sharded(Path(folder) / "no_meta", model, [optimizer])
 
 
-def test_torn_and_foreign_checkpoints_are_refused_by_name(tmp_path: Path) -> None:
-    run_distributed(_save, 2, str(tmp_path))
-    sharded = tmp_path / "sharded"
-    for name in ("missing_shard", "truncated", "no_meta"):
+def test_torn_and_foreign_checkpoints_are_refused_by_name(saved: Path, tmp_path: Path) -> None:
+    sharded = saved / "sharded"
+    for name in ("sharded", "missing_shard", "truncated", "no_meta"):
         shutil.copytree(sharded, tmp_path / name)
     (tmp_path / "missing_shard" / "__1_0.distcp").unlink()
     with open(tmp_path / "truncated" / "__0_0.distcp", "r+b") as handle:
@@ -103,8 +109,9 @@ def test_torn_and_foreign_checkpoints_are_refused_by_name(tmp_path: Path) -> Non
     run_distributed(_refuse, 2, str(tmp_path))
 
 
-def test_convert_between_forms_offline(tmp_path: Path) -> None:
-    run_distributed(_save, 2, str(tmp_path))
+def test_convert_between_forms_offline(saved: Path, tmp_path: Path) -> None:
+    for name in ("full.ckpt", "sharded"):
+        (shutil.copytree if (saved / name).is_dir() else shutil.copy)(saved / name, tmp_path / name)
     full = torch.load(tmp_path / "full.ckpt", weights_only=False)
     convert(tmp_path / "sharded", tmp_path / "consolidated.ckpt", "full", quiet=True)
     consolidated = torch.load(tmp_path / "consolidated.ckpt", weights_only=False)
@@ -147,9 +154,8 @@ def _load_full_then_sharded(rank: int, world_size: int, folder: str) -> None:
     assert int(named.state[next(model.parameters())]["step"]) == 2
 
 
-def test_one_optimizer_loads_a_full_then_a_sharded_checkpoint(tmp_path: Path) -> None:
-    run_distributed(_save, 2, str(tmp_path))
-    run_distributed(_load_full_then_sharded, 2, str(tmp_path))
+def test_one_optimizer_loads_a_full_then_a_sharded_checkpoint(saved: Path) -> None:
+    run_distributed(_load_full_then_sharded, 2, str(saved))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the one-step exchange of two names is Linux's renameat2")

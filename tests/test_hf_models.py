@@ -80,6 +80,25 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(trainable, lr=1e-3, eps=1e-5, weight_decay=0.1)
 
 
+def _train_side_by_side(
+    model: torch.nn.Module, reference: torch.nn.Module, rank: int, world_size: int, what: str
+) -> dict[str, torch.Tensor]:
+    """The sharded model on each rank's rows, the unsharded one on the global batch, AdamW steps; the weights must
+    agree (see [Note: parity tolerance] in tests/engine_harness.py). Returns the sharded model's full weights."""
+    optimizer, ref_optimizer = _optimizer(model), _optimizer(reference)
+    for tokens, local in _batches(rank, world_size):
+        model(input_ids=local, labels=local).loss.backward()
+        reference(input_ids=tokens, labels=tokens).loss.backward()
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    trained = full_state_dict(model, rank0_only=False)
+    for name, value in reference.state_dict().items():
+        error = max_relative_error(trained[name], value)
+        assert error < RTOL, f"{what}: {name} relative error {error:.1e}"
+    return trained
+
+
 def _assert_equal_state(model: torch.nn.Module, expected: dict[str, torch.Tensor], label: str) -> None:
     full = full_state_dict(model, rank0_only=False)
     assert full.keys() == expected.keys(), f"{label}: keys differ"
@@ -89,6 +108,7 @@ def _assert_equal_state(model: torch.nn.Module, expected: dict[str, torch.Tensor
 
 def _fine_tune(rank: int, world_size: int, folder_name: str, family_name: str) -> None:
     family, folder = FAMILIES[family_name], Path(folder_name)
+    folder.mkdir(exist_ok=True)
     pretrained = family.build(seed=0)
     if rank == 0:
         pretrained.save_pretrained(folder / "pretrained")
@@ -105,17 +125,7 @@ def _fine_tune(rank: int, world_size: int, folder_name: str, family_name: str) -
 
     # Fine-tuning: the sharded model on each rank's rows against the unsharded one on the global batch.
     reference = copy.deepcopy(pretrained)
-    optimizer, ref_optimizer = _optimizer(model), _optimizer(reference)
-    for tokens, local in _batches(rank, world_size):
-        model(input_ids=local, labels=local).loss.backward()
-        reference(input_ids=tokens, labels=tokens).loss.backward()
-        for opt in (optimizer, ref_optimizer):
-            opt.step()
-            opt.zero_grad()
-    trained = full_state_dict(model, rank0_only=False)
-    for name, value in reference.state_dict().items():
-        error = max_relative_error(trained[name], value)
-        assert error < RTOL, f"{family.name} fine-tune: {name} relative error {error:.1e}"
+    trained = _train_side_by_side(model, reference, rank, world_size, f"{family.name} fine-tune")
 
     # Export through a Lightning-style full checkpoint ("model." is the LightningModule's attribute) -> hf folder.
     probe = torch.randint(0, VOCAB, (2, SEQUENCE), generator=torch.Generator().manual_seed(2))
@@ -139,9 +149,13 @@ def _fine_tune(rank: int, world_size: int, folder_name: str, family_name: str) -
     torch.distributed.barrier()
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_pretrained_load_fine_tune_and_export(tmp_path: Path, family: str) -> None:
-    run_distributed(_fine_tune, 2, str(tmp_path), family, timeout=300)
+def _fine_tune_every_family(rank: int, world_size: int, folder_name: str) -> None:
+    for family in sorted(FAMILIES):
+        _fine_tune(rank, world_size, str(Path(folder_name) / family), family)
+
+
+def test_pretrained_load_fine_tune_and_export(tmp_path: Path) -> None:
+    run_distributed(_fine_tune_every_family, 2, str(tmp_path), timeout=300)
 
 
 def _frozen_mixes(rank: int, world_size: int, family_name: str, sharding_strategy: str) -> None:
@@ -168,28 +182,23 @@ def _frozen_mixes(rank: int, world_size: int, family_name: str, sharding_strateg
             fully_shard(model, {family.layer_class}, sharding_strategy=sharding_strategy, **mesh)
             if checkpointing:
                 apply_activation_checkpointing(model, {family.layer_class})
-            optimizer, ref_optimizer = _optimizer(model), _optimizer(reference)
-            for tokens, local in _batches(rank, world_size):
-                model(input_ids=local, labels=local).loss.backward()
-                reference(input_ids=tokens, labels=tokens).loss.backward()
-                for opt in (optimizer, ref_optimizer):
-                    opt.step()
-                    opt.zero_grad()
-            trained = full_state_dict(model, rank0_only=False)
             what = f"{family.name} {sharding_strategy} {label}{' + activation checkpointing' if checkpointing else ''}"
-            for name, value in reference.state_dict().items():
-                error = max_relative_error(trained[name], value)
-                assert error < RTOL, f"{what}: {name} relative error {error:.1e}"
+            _train_side_by_side(model, reference, rank, world_size, what)
             for name, param in model.named_parameters():
                 assert param.requires_grad or param.grad is None, f"{what}: frozen {name} got a gradient"
 
 
+def _frozen_mixes_every_strategy(rank: int, world_size: int, strategies: tuple[str, ...]) -> None:
+    for sharding_strategy in strategies:
+        _frozen_mixes(rank, world_size, "llama", sharding_strategy)
+
+
 @pytest.mark.parametrize(
-    ("world_size", "sharding_strategy"),
-    [(2, "FULL_SHARD"), (2, "SHARD_GRAD_OP"), (2, "NO_SHARD"), (4, "FULL_SHARD"), (4, "HYBRID_SHARD")],
+    ("world_size", "strategies"),
+    [(2, ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")), (4, ("FULL_SHARD", "HYBRID_SHARD"))],
 )
-def test_partly_frozen_units_train_with_parity(world_size: int, sharding_strategy: str) -> None:
-    run_distributed(_frozen_mixes, world_size, "llama", sharding_strategy, timeout=300)
+def test_partly_frozen_units_train_with_parity(world_size: int, strategies: tuple[str, ...]) -> None:
+    run_distributed(_frozen_mixes_every_strategy, world_size, strategies, timeout=400)
 
 
 def _generate_uneven(rank: int, world_size: int, folder_name: str) -> None:

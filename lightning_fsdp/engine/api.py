@@ -121,11 +121,14 @@ def fully_shard(
 
 
 def _mark_fsdp_managed(module: nn.Module) -> None:
-    """Set the attribute torch's FSDP sets on every module it manages, which libraries read to know that a forward
+    """Set the attributes torch's FSDP sets on every module it manages, which libraries read to know that a forward
     is a collective: transformers' ``generate`` then keeps a rank that met its end token stepping (``synced_gpus``)
-    until every rank is done, instead of leaving the others waiting in a gather forever."""
+    until every rank is done, instead of leaving the others waiting in a gather forever. ``torch.compile`` reads them
+    too: it then treats the modules' parameters as inputs rather than constants (they are swapped between shard and
+    full tensor by our hooks), and ``_fsdp_use_orig_params`` says, truly, that the parameters are the original ones."""
     for submodule in module.modules():
         submodule._is_fsdp_managed_module = True
+        submodule._fsdp_use_orig_params = True
 
 
 class _UnitBuilder:

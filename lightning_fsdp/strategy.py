@@ -53,6 +53,7 @@ from lightning_fsdp.checkpoint.atomic import check_destination, remove, tensor_b
 from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_checkpoint, mark_trainable_only
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded
 from lightning_fsdp.checkpoint_io import atomic_checkpoint_io
+from lightning_fsdp.compile_support import accept_compiled_modules
 from lightning_fsdp.engine import MixedPrecision, apply_activation_checkpointing, fully_shard, no_sync
 from lightning_fsdp.engine.deferred_init import track_meta_build
 from lightning_fsdp.engine.options import parse_cpu_offload
@@ -806,3 +807,6 @@ def _check_optimizers_hold_shards(optimizers: list[Optimizer], module: nn.Module
                 f"parameters after sharding (the first has shape {tuple(stale[0].shape)}), so it was built before "
                 "FSDPStrategy sharded the model; create it inside configure_optimizers from self.parameters()."
             )
+
+
+accept_compiled_modules(FSDPStrategy)

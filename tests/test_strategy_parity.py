@@ -24,8 +24,12 @@ PAIRS = [
     ("full_shard_clip_value", "ddp_clip_value"),
     ("full_shard_accumulate", "ddp_accumulate"),
     ("full_shard_accumulate_no_sync", "ddp_accumulate"),
+    ("full_shard_compiled_module", "ddp"),
+    ("full_shard_compiled_network", "ddp"),
 ]
 UNITS = 3  # the tiny GPT's two Blocks and the root
+# Measured: 3 graph breaks compiling the whole LightningModule, 2 compiling only its network (around the hooks).
+MAX_GRAPH_BREAKS = 4
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +74,11 @@ def test_accumulation_reduces_every_micro_batch_unless_told_not_to(results: Path
     last_only = json.loads((results / "full_shard_accumulate_no_sync.json").read_text())["reductions_per_batch"]
     assert every == [UNITS] * 8
     assert last_only == [0, UNITS] * 4
+
+
+@pytest.mark.parametrize("case", ["full_shard_compiled_module", "full_shard_compiled_network"])
+def test_compiled_modules_are_compiled_with_few_graph_breaks(results: Path, case: str) -> None:
+    """The parity above is of compiled code: dynamo built graphs, breaking only around the engine's hooks."""
+    record = json.loads((results / f"{case}.json").read_text())
+    assert record["graphs"] > 0, f"{case}: nothing was compiled"
+    assert record["graph_breaks"] <= MAX_GRAPH_BREAKS, f"{case}: {record['graph_breaks']} graph breaks"

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning
 from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
@@ -50,7 +51,9 @@ from lightning_fsdp.engine.state_dict import (
 
 Filter = Mapping[str, Callable[[str, Any], bool]]
 _RECORD = "fabric"  # under OWN_KEY: {"module": the module's name, "optimizers": the optimizers' names, in order}
-_LAYOUT_KEYS = ("state_dict", "optimizer_states", OWN_KEY)
+# Which Lightning wrote the checkpoint, as in a Trainer's: a Trainer refuses a checkpoint without it.
+_VERSION_KEY = "pytorch-lightning_version"
+_LAYOUT_KEYS = ("state_dict", "optimizer_states", OWN_KEY, _VERSION_KEY)
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ def save_full(path: Path, parts: FabricState, filter: Filter, rank0: bool) -> No
             **_metadata(parts, filter),
             "state_dict": model,
             "optimizer_states": optimizer_states,
-            OWN_KEY: _record(parts),
+            **_record(parts),
         }
         save_full_checkpoint(path, checkpoint)
 
@@ -107,7 +110,7 @@ def save_sharded_folder(path: Path, parts: FabricState, filter: Filter) -> None:
     state: dict[str, Any] = {"model": _filtered(parts.module_key, sharded_state_dict(parts.module), filter)}
     for index, optimizer in enumerate(parts.optimizers.values()):
         state[f"optimizer_{index}"] = sharded_optimizer_state_dict(parts.module, optimizer)
-    save_sharded(path, state, {**_metadata(parts, filter), OWN_KEY: _record(parts)})
+    save_sharded(path, state, {**_metadata(parts, filter), **_record(parts)})
 
 
 def load_into(path: Path, parts: FabricState, strict: bool, trust: bool, opt_in: str) -> dict[str, Any]:
@@ -134,6 +137,8 @@ def load_into(path: Path, parts: FabricState, strict: bool, trust: bool, opt_in:
         remainder = load_full_state(checkpoint, path, parts.module, optimizers, strict)
     else:
         raise FileNotFoundError(f"no checkpoint at {path}; pass the file or sharded folder fabric.save wrote.")
+    if _recorded_optimizers(remainder) is not None:  # written by fabric.save: its own entries are no user's
+        remainder.pop(_VERSION_KEY, None)
     remainder.pop(OWN_KEY, None)
     return remainder
 
@@ -231,7 +236,9 @@ def _check_requested(parts: FabricState, saved: Mapping[str, Any], strict: bool,
 
 
 def _record(parts: FabricState) -> dict[str, Any]:
-    return {_RECORD: {"module": parts.module_key, "optimizers": list(parts.optimizers)}}
+    """What fabric.save adds beside the user's entries: the names of module and optimizers, the Lightning version."""
+    names = {"module": parts.module_key, "optimizers": list(parts.optimizers)}
+    return {OWN_KEY: {_RECORD: names}, _VERSION_KEY: lightning.__version__}
 
 
 def _metadata(parts: FabricState, filter: Filter) -> dict[str, Any]:

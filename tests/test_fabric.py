@@ -121,11 +121,18 @@ def launch(strategy: Any, world_size: int, **kwargs: Any) -> Fabric:
     return fabric
 
 
-def train(fabric: Fabric, build: Callable[[], nn.Module], batches: list) -> tuple[list[float], list[float], Any]:
-    """Seeded build, joint setup, the loop; returns losses, clip norms and the set-up model."""
+def train(
+    fabric: Fabric, build: Callable[[], nn.Module], batches: list, separate: bool = False
+) -> tuple[list[float], list[float], Any]:
+    """Seeded build, setup (joint, or ``separate``: the module, then an optimizer of its shards), the loop; returns
+    losses, clip norms and the set-up model and optimizer."""
     torch.manual_seed(0)
     model = build()
-    model, optimizer = fabric.setup(model, adamw(model))
+    if separate:
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(adamw(model))
+    else:
+        model, optimizer = fabric.setup(model, adamw(model))
     losses, norms = [], []
     for micro_batches in batches:
         for index, (inputs, targets) in enumerate(micro_batches):
@@ -169,7 +176,8 @@ def check_parity(world_size: int, rank: int, gpt_strategies: list[Any], float_st
         expected = weights(ddp_model)
         for strategy in strategies:
             label = f"{strategy!r} on {model_name}"
-            losses, norms, (model, _) = train(launch(strategy, world_size), build, batches)
+            separate = build is FloatNet  # the other order of setting up: setup_module, then setup_optimizers
+            losses, norms, (model, _) = train(launch(strategy, world_size), build, batches, separate)
             assert_close(losses, ddp_losses, f"{label}: losses")
             assert_close(norms, ddp_norms, f"{label}: clip norms")
             got = weights(model)

@@ -1,9 +1,11 @@
 """lightning_fsdp: Fully Sharded Data Parallel for PyTorch Lightning, on CPU and GPU.
 
 Importing the package registers the strategy names ``"myfsdp"``, ``"myfsdp_shard_grad_op"`` and
-``"myfsdp_cpu_offload"`` with Lightning, so ``Trainer(strategy="myfsdp")`` works after ``import lightning_fsdp``.
+``"myfsdp_cpu_offload"`` with Lightning's Trainer and with Fabric, so ``Trainer(strategy="myfsdp")`` and
+``Fabric(strategy="myfsdp")`` work after ``import lightning_fsdp``.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fsdp.checkpoint.pretrained import load_pretrained
@@ -21,13 +23,17 @@ from lightning_fsdp.engine import (
     summon_full_params,
 )
 from lightning_fsdp.estimate import estimate_memory
+from lightning_fsdp.fabric import FabricFSDPPrecision, FabricFSDPStrategy
 from lightning_fsdp.precision import FSDPPrecision, ShardedGradScaler
 from lightning_fsdp.strategy import FSDPStrategy
 
 FSDPStrategy.register_strategies(StrategyRegistry)
+FabricFSDPStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "BackwardPrefetch",
+    "FabricFSDPPrecision",
+    "FabricFSDPStrategy",
     "FSDPPrecision",
     "FSDPStrategy",
     "MixedPrecision",

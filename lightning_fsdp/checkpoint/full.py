@@ -77,7 +77,13 @@ def load_full_checkpoint(
     the rest of it. Everything is checked -- keys, shapes, optimizer count, type, grouping, state shapes -- before
     the first tensor changes. Read memory-mapped: each rank copies its rows without a second full copy.
     """
-    checkpoint = load_torch_file(path, trust, opt_in)
+    return load_full_state(load_torch_file(path, trust, opt_in), path, module, optimizers, strict)
+
+
+def load_full_state(
+    checkpoint: Any, path: str | os.PathLike, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool = True
+) -> dict[str, Any]:
+    """``load_full_checkpoint`` of a checkpoint already read from ``path`` (which names it in messages)."""
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
         raise ValueError(f"{path} is not a Lightning checkpoint: it has no 'state_dict'; pass a .ckpt a Trainer saved.")
     if is_trainable_only(checkpoint):

@@ -1,0 +1,505 @@
+"""``FabricFSDPStrategy``: Lightning Fabric's ParallelStrategy on our engine, used as ``Fabric(strategy="myfsdp")``.
+
+Fabric calls a strategy from the user's own loop; this one answers as follows.
+
+- ``__init__``: the Trainer strategy's arguments, read by the same code (``sharding_setup.py``), so a config moves
+  between ``Trainer`` and ``Fabric`` unchanged. ``state_dict_type`` defaults to ``"sharded"``, as Lightning Fabric's
+  FSDP does.
+- ``setup_environment``: ranks from the cluster environment, the HYBRID_SHARD mesh checked, the process group with
+  the strategy's timeout (an existing group, torchrun's or a test's, is used as it is).
+- ``fabric.init_module(empty_init=True)``: modules on the meta device, materialized unit by unit when set up.
+- ``fabric.setup(model, optimizer)`` / ``setup_module`` + ``setup_optimizers``: ``fully_shard`` in place, names
+  unchanged. ``fully_shard`` registers each rank's shard as a new parameter, so an optimizer built before -- which
+  ``fabric.setup(model, optimizer)`` always has -- gets the shards put in place of the parameters they replaced, by
+  name (refused once it has state: that state belongs to the full tensors).
+- ``fabric.backward`` (the precision plugin's loss scaling), ``fabric.clip_gradients`` (the norm of the whole
+  gradient, summed over the shards), ``fabric.no_backward_sync`` (the engine's ``no_sync``).
+- ``fabric.save`` / ``fabric.load`` / ``fabric.load_raw``: the Trainer strategy's two on-disk forms (see
+  ``fabric/checkpoint.py``), with its refusal and safety rules.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable, Generator, Iterable
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from datetime import timedelta
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+from weakref import WeakSet
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
+from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
+from typing_extensions import override
+
+from lightning_fsdp.checkpoint.atomic import check_destination
+from lightning_fsdp.engine import MixedPrecision, clip_grad_norm_, clip_grad_value_, no_sync
+from lightning_fsdp.engine.deferred_init import track_meta_build
+from lightning_fsdp.engine.registry import unit_of
+from lightning_fsdp.fabric.checkpoint import (
+    FabricState,
+    load_into,
+    load_raw_module,
+    load_raw_optimizer,
+    restore_metadata,
+    save_full,
+    save_sharded_folder,
+    split_state,
+)
+from lightning_fsdp.fabric.precision import FabricFSDPPrecision, as_fabric_fsdp_precision
+from lightning_fsdp.lightning_arguments import refuse_unknown_keywords
+from lightning_fsdp.sharding_setup import Policy, ShardedModelSetup, ShardingName
+
+if TYPE_CHECKING:
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+    from torch.optim.lr_scheduler import LRScheduler
+
+__all__ = ["FabricFSDPStrategy"]
+
+
+class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
+    """Fully Sharded Data Parallel for Lightning Fabric with our engine, on CPU (gloo) and CUDA (NCCL).
+
+    Every argument means what it means for :class:`~lightning_fsdp.FSDPStrategy` (see there); the ones Fabric
+    itself fills in are ``accelerator``, ``parallel_devices``, ``cluster_environment`` and ``precision`` (derived
+    from ``Fabric(precision=...)``, see :mod:`lightning_fsdp.fabric.precision`).
+
+    Args:
+        state_dict_type: ``"sharded"`` (the default, as in Lightning Fabric's FSDP: one folder, every rank writing its
+            rows) or ``"full"`` (one file gathered on rank 0). Either form loads in a Trainer with
+            ``FSDPStrategy`` and the other way round.
+        trust_checkpoint: let ``fabric.load`` unpickle more than plain data. Only for files you wrote yourself;
+            ``fabric.load(..., weights_only=False)`` does the same for one load.
+        **kwargs: anything else is refused with a sentence.
+    """
+
+    strategy_name = "myfsdp"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        cpu_offload: bool | Any | None = None,
+        mixed_precision: MixedPrecision | Any | None = None,
+        auto_wrap_policy: Policy = None,
+        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
+        activation_checkpointing_policy: Policy = None,
+        sharding_strategy: ShardingName | Enum = "FULL_SHARD",
+        state_dict_type: Literal["full", "sharded"] = "sharded",
+        device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] | Enum | None = "BACKWARD_PRE",
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        sync_module_states: bool = False,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
+        use_orig_params: bool = True,
+        device_id: int | torch.device | None = None,
+        trust_checkpoint: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        refuse_unknown_keywords(kwargs)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+        )
+        self._set_sharding_arguments(
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            cpu_offload=cpu_offload,
+            mixed_precision=mixed_precision,
+            auto_wrap_policy=auto_wrap_policy,
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            sharding_strategy=sharding_strategy,
+            state_dict_type=state_dict_type,
+            device_mesh=device_mesh,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            sync_module_states=sync_module_states,
+            param_init_fn=param_init_fn,
+            process_group=process_group,
+            ignored_modules=ignored_modules,
+            ignored_states=ignored_states,
+            use_orig_params=use_orig_params,
+            device_id=device_id,
+            trust_checkpoint=trust_checkpoint,
+        )
+        self._backward_sync_control = _EngineBackwardSyncControl()
+        self._sharded_modules: WeakSet[nn.Module] = WeakSet()
+        # A parameter fully_shard replaced -> (its module, its name), to give an optimizer built before the shards.
+        self._replaced = WeakIdKeyDictionary()
+
+    # ----- where and how many ---------------------------------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    # ----- precision and checkpoint plugins -------------------------------------------------------------------------
+
+    @property
+    @override
+    def precision(self) -> FabricFSDPPrecision:
+        plugin = self._precision
+        return plugin if isinstance(plugin, FabricFSDPPrecision) else FabricFSDPPrecision("32-true")
+
+    @precision.setter
+    @override
+    def precision(self, precision: Precision | None) -> None:
+        # Fabric hands over the plugin it built from Fabric(precision=...); an unsupported one fails here.
+        self._precision = None if precision is None else as_fabric_fsdp_precision(precision)
+
+    @property
+    def mixed_precision_config(self) -> Any:
+        """As Lightning's: the explicit ``mixed_precision`` as given, else the precision plugin's dtypes."""
+        if self.mixed_precision is not None:
+            return self.mixed_precision
+        return self.precision.mixed_precision_config
+
+    @override
+    def _precision_engine_policy(self) -> MixedPrecision | None:
+        return self.precision.engine_mixed_precision
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        raise NotImplementedError(
+            f"{type(self).__name__} writes its checkpoints itself (atomically, in the sharded or full form); it has no "
+            "CheckpointIO plugin."
+        )
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        raise ValueError(
+            f"{type(self).__name__} writes its checkpoints itself (atomically, in the sharded or full form) and takes "
+            f"no CheckpointIO plugin; remove {type(io).__name__} from Fabric(plugins=...)."
+        )
+
+    # ----- processes and the process group --------------------------------------------------------------------------
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._set_world_ranks()
+        self._hybrid_mesh = self._mesh_for_world()
+        reset_seed()
+        if self._process_group_backend is None:
+            self._process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self.precision.device = self.root_device.type
+
+    def _set_world_ranks(self) -> None:
+        """Tell the cluster environment this process's global rank and the world size (Fabric's connector calls it)."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ----- models and optimizers ------------------------------------------------------------------------------------
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """``empty_init=True``: modules on the meta device, materialized and initialized unit by unit at setup (peak
+        memory: one unit). Otherwise they are created on the CPU, as with Lightning's FSDP, and reach the device at
+        setup, so weights set at construction survive."""
+        stack = ExitStack()
+        if empty_init:
+            stack.enter_context(self._meta_build())
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        """Deliberately nothing: the engine shards a built model in ``setup_module`` (a meta-device build is
+        ``init_module(empty_init=True)``'s)."""
+        return nullcontext()
+
+    @contextmanager
+    def _meta_build(self) -> Generator[None, None, None]:
+        with torch.device("meta"), track_meta_build():
+            yield
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        """Move the real tensors; meta-device ones stay for the engine to materialize unit by unit."""
+        device = self.root_device
+        module._apply(lambda t: t if t.is_meta else t.to(device))
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: LRScheduler | None = None
+    ) -> tuple[nn.Module, list[Optimizer], LRScheduler | None]:
+        """Shard ``module``, then put its shards into the optimizers in place of the parameters they replaced."""
+        for optimizer in optimizers:
+            _refuse_stepped(optimizer)
+        module = self.setup_module(module)
+        return module, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard ``module`` in place (names and structure unchanged), then apply activation checkpointing."""
+        self._check_device_id()
+        if unit_of(module) is not None:
+            return module
+        before = dict(module.named_parameters(remove_duplicate=False))
+        self.module_to_device(module)
+        self._setup_model(module)
+        after = dict(module.named_parameters(remove_duplicate=False))
+        for name, old in before.items():
+            if after.get(name) is not old:
+                self._replaced[old] = after[name]
+        self._sharded_modules.add(module)
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """The optimizer with every parameter ``fully_shard`` replaced swapped for that parameter's shard."""
+        stale = [p for group in optimizer.param_groups for p in group["params"] if p in self._replaced]
+        if not stale:
+            return optimizer
+        _refuse_stepped(optimizer)
+        for group in optimizer.param_groups:
+            group["params"] = [self._replaced.get(param, param) for param in group["params"]]
+        return optimizer
+
+    # ----- the step -------------------------------------------------------------------------------------------------
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the norm of the whole, unsharded gradient (each rank holds only its rows of it)."""
+        self.precision.unscale_gradients(optimizer)
+        params = list(self.precision.main_params(optimizer))
+        return clip_grad_norm_(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self.precision.unscale_gradients(optimizer)
+        clip_grad_value_(list(self.precision.main_params(optimizer)), clip_val)
+
+    # ----- collectives ----------------------------------------------------------------------------------------------
+
+    @override
+    def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+    # ----- checkpoints ----------------------------------------------------------------------------------------------
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Write ``state`` as one full file (gathered on rank 0) or one sharded folder, atomically.
+
+        The destination is checked on rank 0 before anything is gathered: a save replaces only a checkpoint of the
+        same form, and every rank raises the same refusal.
+        """
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (it has no CheckpointIO).")
+        path = Path(self.broadcast(str(path)))
+        parts = split_state(state)
+        if self.state_dict_type == "sharded":
+            save_sharded_folder(path, parts, filter or {})
+            return
+        _raise_refusal(self.broadcast(check_destination(path, "full", 0) if self.is_global_zero else None))
+        failure = None
+        try:
+            save_full(path, parts, filter or {}, self.is_global_zero)
+        except Exception as err:
+            failure = err
+        # Rank 0 alone writes: the others learn whether it failed instead of waiting for it in the next barrier.
+        failed_on_rank0 = self.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if failed_on_rank0 is not None:
+            raise RuntimeError(f"the full save to {path} failed on rank 0 ({failed_on_rank0}); nothing was saved.")
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load a checkpoint (either form, written by Fabric or by a Trainer) into ``state``; return what is left.
+
+        Nothing but plain data is unpickled unless trusted: ``fabric.load(..., weights_only=False)`` or
+        ``FabricFSDPStrategy(trust_checkpoint=True)`` (an explicit ``weights_only=True`` wins over the latter).
+        """
+        path = Path(self.broadcast(str(path)))
+        trust = weights_only is False or (weights_only is None and self.trust_checkpoint)
+        opt_in = "fabric.load(..., weights_only=False) or FabricFSDPStrategy(trust_checkpoint=True)"
+        if isinstance(state, nn.Module):
+            load_raw_module(path, state, strict, trust, opt_in)
+            return {}
+        if isinstance(state, Optimizer):
+            load_raw_optimizer(path, self._module_of(state), state, trust, opt_in)
+            return {}
+        if not state:
+            raise ValueError(
+                f"{type(self).__name__}.load_checkpoint needs the objects to restore, as "
+                "fabric.load(path, {'model': model, 'optimizer': optimizer, ...}); a sharded model cannot be handed "
+                "back as one dictionary."
+            )
+        parts: FabricState = split_state(state)
+        remainder = load_into(path, parts, strict, trust, opt_in)
+        restore_metadata(remainder, parts, state)
+        return remainder
+
+    def _module_of(self, optimizer: Optimizer) -> nn.Module:
+        """The set-up module whose shards ``optimizer`` steps (``load_raw`` of an optimizer needs their names)."""
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for module in self._sharded_modules:
+            if any(id(p) in params for p in module.parameters()):
+                return module
+        raise ValueError(
+            "the optimizer steps no model set up by this Fabric; call fabric.setup(model, optimizer) before "
+            "fabric.load_raw(path, optimizer)."
+        )
+
+    @override
+    def teardown(self) -> None:
+        """Release the plugins; the model stays where it is (its parameters are shards tied to the engine's buffers)
+        and there is no CheckpointIO to tear down."""
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register("myfsdp", cls, description="lightning_fsdp: FULL_SHARD")
+        strategy_registry.register(
+            "myfsdp_shard_grad_op",
+            cls,
+            description="lightning_fsdp: SHARD_GRAD_OP (parameters kept gathered from forward to backward)",
+            sharding_strategy="SHARD_GRAD_OP",
+        )
+        strategy_registry.register(
+            "myfsdp_cpu_offload",
+            cls,
+            description="lightning_fsdp: FULL_SHARD with the sharded state in CPU memory",
+            cpu_offload=True,
+        )
+
+
+class _EngineBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: the engine keeps the full, unreduced gradients until a backward outside."""
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        if unit_of(module) is None:
+            raise TypeError(
+                f"no_backward_sync needs the model set up by fabric.setup (sharded); got {type(module).__name__}, "
+                "which is not."
+            )
+        return no_sync(module)
+
+
+def _refuse_stepped(optimizer: Optimizer) -> None:
+    """An optimizer that already has state holds it for the full tensors: it cannot move onto the shards."""
+    if optimizer.state:
+        raise ValueError(
+            f"{type(optimizer).__name__} already has state (it has stepped) for the model's parameters before "
+            "sharding, which cannot move onto the shards; create it afresh before fabric.setup(model, optimizer), "
+            "or after fabric.setup_module(model) from model.parameters()."
+        )
+
+
+def _raise_refusal(refusal: str | None) -> None:
+    if refusal is not None:
+        raise OSError(errno.ENOSPC, refusal) if refusal.startswith("no space") else FileExistsError(refusal)

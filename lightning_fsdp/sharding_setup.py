@@ -1,0 +1,347 @@
+"""What the Trainer's and Fabric's strategies share: reading the sharding arguments, and sharding a model with them.
+
+:class:`~lightning_fsdp.FSDPStrategy` (``Trainer(strategy="myfsdp")``) and
+:class:`~lightning_fsdp.FabricFSDPStrategy` (``Fabric(strategy="myfsdp")``) take the same arguments with the same
+meaning and put a model on the engine the same way; :class:`ShardedModelSetup` is that common part, so a fix to an
+argument's validation or to the default wrap policy reaches both. Each strategy adds its framework's side: the
+Trainer's hooks, Fabric's ``setup_module``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from enum import Enum
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+from lightning_fsdp.engine import MixedPrecision, apply_activation_checkpointing, fully_shard
+from lightning_fsdp.engine.options import parse_cpu_offload
+from lightning_fsdp.engine.policies import as_wrap_policy, repeated_block_class, select_unit_modules
+from lightning_fsdp.engine.registry import unit_of
+from lightning_fsdp.lightning_arguments import activation_checkpointing_alias, split_ignored
+
+WrapPolicy = Callable[[nn.Module, bool, int], bool]
+# Strings first: a config parser (LightningCLI's jsonargparse) tries the members in order, and would otherwise take
+# a class path for a callable to instantiate.
+# str first and the callable last: jsonargparse then keeps class paths from a YAML config as strings (which the
+# saved config.yaml can write back out) instead of importing them itself or reading one as "build a Block".
+Policy = Iterable[str | type[nn.Module]] | str | type[nn.Module] | WrapPolicy | None
+ShardingName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+WHOLE_MODEL = "whole_model"  # auto_wrap_policy: the whole model as one unit, on purpose
+BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST")
+STATE_DICT_TYPES = ("full", "sharded")
+
+
+class ShardedModelSetup(ABC):
+    """The sharding arguments as attributes, and ``_setup_model``: ``fully_shard`` with them, in place.
+
+    A mixin for a Lightning ``ParallelStrategy`` (it reads ``root_device``, ``num_nodes``, ``num_processes`` and
+    ``world_size``); the strategy says where its precision plugin's engine policy comes from.
+    """
+
+    sharding_strategy: str
+    mixed_precision: Any
+    _hybrid_mesh: tuple[int, int] | DeviceMesh | None
+
+    def _set_sharding_arguments(
+        self,
+        *,
+        process_group_backend: str | None,
+        timeout: timedelta | None,
+        cpu_offload: bool | Any | None,
+        mixed_precision: MixedPrecision | Any | None,
+        auto_wrap_policy: Policy,
+        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None,
+        activation_checkpointing_policy: Policy,
+        sharding_strategy: ShardingName | Enum,
+        state_dict_type: str,
+        device_mesh: tuple[int, int] | DeviceMesh | None,
+        backward_prefetch: str | Enum | None,
+        forward_prefetch: bool,
+        limit_all_gathers: bool,
+        sync_module_states: bool,
+        param_init_fn: Callable[[nn.Module], None] | None,
+        process_group: dist.ProcessGroup | None,
+        ignored_modules: Iterable[nn.Module] | None,
+        ignored_states: Iterable[nn.Module | nn.Parameter] | None,
+        use_orig_params: bool,
+        device_id: int | torch.device | None,
+        trust_checkpoint: bool,
+    ) -> None:
+        """Check every argument (one sentence saying what to change) and keep it in the form the engine takes."""
+        self._num_nodes = 1
+        if process_group_backend is not None and not isinstance(process_group_backend, str):
+            raise ValueError(f"process_group_backend must be a string such as 'gloo', got {process_group_backend!r}.")
+        self._process_group_backend = process_group_backend
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise ValueError(f"timeout must be a datetime.timedelta (or None for torch's default), got {timeout!r}.")
+        self._timeout = timeout
+        self.sharding_strategy = choice("sharding_strategy", sharding_strategy, SHARDING_STRATEGIES)
+        self.backward_prefetch = (
+            None if backward_prefetch is None else choice("backward_prefetch", backward_prefetch, BACKWARD_PREFETCH)
+        )
+        if state_dict_type not in STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type={state_dict_type!r} is not supported; use 'full' or 'sharded'.")
+        self.state_dict_type = state_dict_type
+        if process_group is not None and device_mesh is not None:
+            raise ValueError(
+                "process_group= and device_mesh= are mutually exclusive; pass the mesh alone for HYBRID_SHARD, or the "
+                "process group alone to shard over its ranks."
+            )
+        self.process_group = check_process_group(process_group)
+        self.device_mesh = check_device_mesh(device_mesh, self.sharding_strategy)
+        self.auto_wrap_policy = resolve_policy(auto_wrap_policy, "auto_wrap_policy")
+        self.activation_checkpointing_policy = resolve_policy(
+            activation_checkpointing_alias(activation_checkpointing, activation_checkpointing_policy),
+            "activation_checkpointing_policy",
+        )
+        self.mixed_precision = check_mixed_precision(mixed_precision)
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise ValueError(f"param_init_fn must be a callable taking a module, got {param_init_fn!r}.")
+        self.param_init_fn = param_init_fn
+        self.cpu_offload = parse_cpu_offload(cpu_offload)
+        self.forward_prefetch = flag("forward_prefetch", forward_prefetch)
+        self.limit_all_gathers = flag("limit_all_gathers", limit_all_gathers)
+        self.sync_module_states = flag("sync_module_states", sync_module_states)
+        self.use_orig_params = flag("use_orig_params", use_orig_params)
+        self.ignored_modules, self.ignored_params = split_ignored(ignored_modules, ignored_states)
+        if device_id is not None and not isinstance(device_id, int | torch.device):
+            raise ValueError(f"device_id must be a device index or a torch.device, got {device_id!r}.")
+        self.device_id = device_id
+        self._hybrid_mesh = None  # fixed in setup_environment
+        self.trust_checkpoint = flag("trust_checkpoint", trust_checkpoint)
+
+    @abstractmethod
+    def _precision_engine_policy(self) -> MixedPrecision | None:
+        """The engine's ``MixedPrecision`` that the strategy's precision plugin asks for (None: full precision)."""
+
+    def _mesh_for_world(self) -> tuple[int, int] | DeviceMesh | None:
+        """The HYBRID_SHARD layout, checked against the world size before any process group exists."""
+        if self.sharding_strategy not in HYBRID_STRATEGIES:
+            return None
+        mesh = self.device_mesh if self.device_mesh is not None else (self.num_nodes, self.num_processes)
+        shape = tuple(mesh.shape) if isinstance(mesh, DeviceMesh) else mesh
+        if shape[0] * shape[1] != self.world_size:
+            raise ValueError(
+                f"device_mesh={shape} covers {shape[0] * shape[1]} ranks but this run has {self.world_size} "
+                f"({self.num_nodes} node(s) x {self.num_processes} device(s)); choose (replicate, shard) sizes whose "
+                f"product is {self.world_size}."
+            )
+        return mesh
+
+    def _check_device_id(self) -> None:
+        """torch's ``device_id`` names the device to shard on; here that is the rank's own device, so another is an
+        error rather than silently ignored."""
+        if self.device_id is None:
+            return
+        wanted = torch.device("cuda", self.device_id) if isinstance(self.device_id, int) else self.device_id
+        if wanted != self.root_device:
+            raise ValueError(
+                f"device_id={self.device_id!r} differs from this rank's device {self.root_device}; leave device_id "
+                "unset, the strategy shards every rank on its own device."
+            )
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        """Shard ``model`` in place (names and structure unchanged), then apply activation checkpointing."""
+        fully_shard(
+            model,
+            self._wrap_policy(model),
+            sharding_strategy=self.sharding_strategy,
+            backward_prefetch=self.backward_prefetch,
+            forward_prefetch=self.forward_prefetch,
+            limit_all_gathers=self.limit_all_gathers,
+            **self._engine_options(),
+        )
+        if self.activation_checkpointing_policy is not None:
+            apply_activation_checkpointing(model, self.activation_checkpointing_policy)
+        return model
+
+    def _wrap_policy(self, model: nn.Module) -> WrapPolicy | set[type[nn.Module]] | None:
+        """The policy the engine gets: the user's, or the model's repeated blocks when none was given (see
+        :func:`default_policy`). A policy that selects no submodule leaves the root as the only unit, with a
+        warning, as Lightning's FSDP trains such a model as one unit."""
+        policy = self.auto_wrap_policy
+        if policy == WHOLE_MODEL:
+            return None
+        if policy is None:
+            return default_policy(model)
+        ignored = {id(m) for root in self.ignored_modules for m in root.modules()}
+        selected = select_unit_modules(
+            model, as_wrap_policy(policy), lambda m: unit_of(m) is not None, lambda m: id(m) in ignored
+        )
+        if not selected:
+            rank_zero_warn(
+                f"the auto_wrap_policy {policy!r} selects no submodule of {type(model).__name__}, so the whole model "
+                "is one unit, gathered whole in forward and backward; pass the classes of its repeated blocks to "
+                f"shard it unit by unit, or auto_wrap_policy={WHOLE_MODEL!r} to silence this."
+            )
+            return None
+        return policy
+
+    def _engine_options(self) -> dict[str, Any]:
+        """The engine options that are set away from their defaults; the engine's defaults stay its own."""
+        options: dict[str, Any] = {}
+        if (mixed_precision := self._engine_mixed_precision()) is not None:
+            options["mixed_precision"] = mixed_precision
+        if self.cpu_offload:
+            options["cpu_offload"] = True
+        if self._hybrid_mesh is not None:
+            options["device_mesh"] = self._hybrid_mesh
+        if self.process_group is not None:
+            options["process_group"] = self.process_group
+        if self.sync_module_states:
+            options["sync_module_states"] = True
+        if self.param_init_fn is not None:
+            options["param_init_fn"] = self.param_init_fn
+        if self.ignored_modules:
+            options["ignored_modules"] = self.ignored_modules
+        if self.ignored_params:
+            options["ignored_params"] = self.ignored_params
+        return options
+
+    def _engine_mixed_precision(self) -> MixedPrecision | None:
+        """The explicit ``mixed_precision`` (ours, or torch's read by field), else the precision plugin's policy."""
+        if self.mixed_precision is not None:
+            return MixedPrecision.coerce(self.mixed_precision)
+        return self._precision_engine_policy()
+
+
+def default_policy(model: nn.Module) -> set[type[nn.Module]] | None:
+    """With no ``auto_wrap_policy``, each of the model's repeated blocks becomes a unit.
+
+    One unit for the whole model would gather all of it in forward and backward: more memory than DDP. The blocks
+    (:func:`~lightning_fsdp.engine.policies.repeated_block_class`) are what a user would name; the choice is logged
+    once per model class, with how to override it.
+    """
+    block = repeated_block_class(model)
+    if (type(model), block) not in _REPORTED_DEFAULTS:
+        _REPORTED_DEFAULTS.add((type(model), block))
+        if block is None:
+            rank_zero_info(
+                f"FSDPStrategy: {type(model).__name__} has no repeated blocks holding most of its parameters, so it is "
+                "sharded as one unit; pass auto_wrap_policy={YourBlock} to shard it unit by unit."
+            )
+        else:
+            rank_zero_info(
+                f"FSDPStrategy: no auto_wrap_policy given, so each {block.__module__}.{block.__qualname__} of "
+                f"{type(model).__name__} becomes a sharding unit; pass auto_wrap_policy={{...}} to choose others, or "
+                f"auto_wrap_policy={WHOLE_MODEL!r} for one unit."
+            )
+    return None if block is None else {block}
+
+
+_REPORTED_DEFAULTS: set[tuple[type[nn.Module], type[nn.Module] | None]] = set()
+
+
+def resolve_policy(policy: Policy, argument: str) -> WrapPolicy | set[type[nn.Module]] | str | None:
+    """A policy as the engine takes it: None, a callable, or a set of module classes (strings imported)."""
+    if isinstance(policy, nn.Module):
+        raise ValueError(f"{argument} holds a {type(policy).__name__} instance; pass its class (or import path).")
+    if policy is None or policy == WHOLE_MODEL or (callable(policy) and not isinstance(policy, type)):
+        return policy
+    items = [policy] if isinstance(policy, str | type) else policy
+    if not isinstance(items, Iterable):
+        raise ValueError(
+            f"{argument}={policy!r} is not a policy; pass a set of module classes (or their import paths), a callable "
+            "(module, recurse, nonwrapped_numel) -> bool, or None."
+        )
+    classes = {_import_class(item, argument) if isinstance(item, str) else item for item in items}
+    if not classes:
+        raise ValueError(f"{argument} is an empty set; name the model's repeated blocks, or pass None.")
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ValueError(f"{argument} holds {cls!r}, which is not an nn.Module class; list module classes only.")
+    return classes
+
+
+def _import_class(path: str, argument: str) -> Any:
+    module_name, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(
+            f"{argument} names {path!r}, which does not import ({error}); give the full import path of an nn.Module "
+            "class, such as 'lightning_fsdp.demos.gpt.Block'."
+        ) from None
+
+
+def choice(argument: str, value: object, choices: tuple[str, ...]) -> str:
+    name = value.name if isinstance(value, Enum) else value
+    if isinstance(name, str) and name.upper() in choices:
+        return name.upper()
+    raise ValueError(f"{argument}={value!r} is not supported; use one of {', '.join(map(repr, choices))}.")
+
+
+def flag(argument: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{argument} must be True or False, got {value!r}.")
+    return value
+
+
+def check_device_mesh(device_mesh: object, sharding_strategy: str) -> tuple[int, int] | DeviceMesh | None:
+    if device_mesh is None:
+        return None
+    if sharding_strategy not in HYBRID_STRATEGIES:
+        raise ValueError(
+            f"device_mesh={device_mesh!r} only applies to sharding_strategy='HYBRID_SHARD' (got "
+            f"{sharding_strategy!r}); remove it or switch to HYBRID_SHARD."
+        )
+    if isinstance(device_mesh, DeviceMesh) and device_mesh.ndim == 2:
+        return device_mesh
+    if (
+        isinstance(device_mesh, tuple | list)
+        and len(device_mesh) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in device_mesh)
+    ):
+        return (device_mesh[0], device_mesh[1])
+    raise ValueError(
+        f"device_mesh={device_mesh!r} is not a (replicate, shard) pair of positive ints or a 2-D DeviceMesh; pass, "
+        "say, (2, 4) for 2 replicas of a model sharded over 4 ranks."
+    )
+
+
+def check_mixed_precision(mixed_precision: object) -> Any:
+    """Ours or torch's ``MixedPrecision``, kept as given (``mixed_precision_config`` returns it, as Lightning's does);
+    the engine reads torch's fields when it shards."""
+    try:
+        MixedPrecision.coerce(mixed_precision)
+    except TypeError:
+        raise ValueError(
+            f"mixed_precision must be a lightning_fsdp.MixedPrecision or torch.distributed.fsdp.MixedPrecision, got "
+            f"{type(mixed_precision).__name__}; or leave it None and set Trainer(precision='bf16-mixed')."
+        ) from None
+    return mixed_precision
+
+
+def check_process_group(process_group: object) -> dist.ProcessGroup | None:
+    if process_group is None or isinstance(process_group, dist.ProcessGroup):
+        return process_group
+    raise ValueError(
+        f"process_group must be one torch.distributed.ProcessGroup, got {type(process_group).__name__}; for "
+        "HYBRID_SHARD pass device_mesh=(replicate, shard) instead of a (shard, replicate) pair of groups."
+    )
+
+
+def check_optimizers_hold_shards(optimizers: list[Optimizer], module: nn.Module) -> None:
+    """An optimizer built before sharding holds the full tensors the model no longer has: it would step nothing."""
+    current = {id(param) for param in module.parameters()}
+    for index, optimizer in enumerate(optimizers):
+        stale = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in current]
+        if stale:
+            raise ValueError(
+                f"optimizer {index} ({type(optimizer).__name__}) holds {len(stale)} tensors that are not the model's "
+                f"parameters after sharding (the first has shape {tuple(stale[0].shape)}), so it was built before "
+                "FSDPStrategy sharded the model; create it inside configure_optimizers from self.parameters()."
+            )

@@ -6,6 +6,7 @@ Importing the package registers the strategy names ``"myfsdp"``, ``"myfsdp_shard
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_fsdp.averaging import ShardedEMA
 from lightning_fsdp.checkpoint.pretrained import load_pretrained
 from lightning_fsdp.engine import (
     BackwardPrefetch,
@@ -31,6 +32,7 @@ __all__ = [
     "FSDPPrecision",
     "FSDPStrategy",
     "MixedPrecision",
+    "ShardedEMA",
     "ShardedGradScaler",
     "ShardingStrategy",
     "apply_activation_checkpointing",

@@ -626,12 +626,11 @@ class FSDPStrategy(ParallelStrategy):
         trust = weights_only is False or (weights_only is None and self.trust_checkpoint)
         opt_in = "trainer.fit(..., weights_only=False) or FSDPStrategy(trust_checkpoint=True)"
         path = Path(checkpoint_path)
-        if path.is_dir():
-            targets = callback_tensor_targets(module.trainer.callbacks)
-            return load_sharded(path, module, optimizers, module.strict_loading, trust, opt_in, targets)
         if not path.exists():
             raise FileNotFoundError(f"no checkpoint at {path}; pass a .ckpt file or a sharded checkpoint folder.")
-        return load_full_checkpoint(path, module, optimizers, module.strict_loading, trust, opt_in)
+        targets = callback_tensor_targets(module.trainer.callbacks)  # ShardedEMA's rows, say
+        load = load_sharded if path.is_dir() else load_full_checkpoint
+        return load(path, module, optimizers, module.strict_loading, trust, opt_in, targets)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

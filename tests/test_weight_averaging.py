@@ -93,6 +93,13 @@ def test_a_resumed_run_ends_with_the_uninterrupted_average(results: dict[str, An
     assert_close(resumed["export"], results["sharded"]["export"], f"resumed from the {form} checkpoint")
 
 
+@pytest.mark.parametrize("form", ["sharded", "full"])
+def test_an_average_of_other_parameters_is_refused_before_anything_loads(results: dict[str, Any], form: str) -> None:
+    misfit = results[f"misfit_{form}"]
+    assert misfit["message"] is not None and "for other tensors than this run's" in misfit["message"]
+    assert misfit["unchanged"]
+
+
 def test_both_forms_hold_the_step3_average_and_convert_keeps_it(
     out: Path, results: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -8,6 +8,8 @@ strategy as part of the checkpoint dict, which rank 0 alone would write; so the 
   tensors, which any world size (the callback takes its rows) and ``convert`` read;
 - sharded form: the dict moves into the DCP folder under ``callbacks.<state_key>.<name>``, each rank writing its
   own rows as it does for optimizer state; ``meta.pt`` keeps the rest of the callback's state;
+- a full load: the file's tensors are checked against each callback's ``sharded_tensors()`` (names, full shapes)
+  before anything is loaded; the callback takes its rows in its ``load_state_dict``;
 - a sharded load: each callback's ``sharded_tensors()`` (DTensors aliasing its rows) is the target DCP loads into, in
   place, at any world size, after checking that the folder records exactly those names and shapes; the loaded dict
   is put back into the callback's state, so its ``load_state_dict`` sees what it saved.
@@ -66,18 +68,37 @@ def callback_tensor_targets(callbacks: Iterable[Any]) -> dict[str, dict[str, Ten
 def recorded_callback_tensors(
     metadata: Metadata, targets: Mapping[str, dict[str, Tensor]], path: Path
 ) -> dict[str, dict[str, Tensor]]:
-    """The targets of the callbacks the folder records, after checking their names and shapes against it."""
+    """The targets of the callbacks a sharded folder records, after checking their names and shapes against it."""
     saved: dict[str, dict[str, tuple[int, ...]]] = {}
     for fqn, item in metadata.state_dict_metadata.items():
         parts = (metadata.planner_data or {}).get(fqn, ())
         if len(parts) == 3 and parts[0] == CALLBACKS and hasattr(item, "size"):
             saved.setdefault(parts[1], {})[parts[2]] = tuple(item.size)
+    return _fitting(saved, targets, path)
+
+
+def check_full_callback_tensors(
+    checkpoint: Mapping[str, Any], targets: Mapping[str, dict[str, Tensor]], path: object
+) -> None:
+    """Refuse a full checkpoint whose callbacks' tensors do not fit this run's (before anything is loaded)."""
+    saved = {
+        key: {name: tuple(value.shape) for name, value in state[SHARDED_TENSORS].items()}
+        for key, state in checkpoint.get(CALLBACKS, {}).items()
+        if isinstance(state, dict) and isinstance(state.get(SHARDED_TENSORS), dict)
+    }
+    _fitting(saved, targets, path)
+
+
+def _fitting(
+    saved: Mapping[str, Mapping[str, tuple[int, ...]]], targets: Mapping[str, dict[str, Tensor]], path: object
+) -> dict[str, dict[str, Tensor]]:
+    """The targets whose callback ``saved`` records (full shapes by name), each checked to have exactly those."""
     recorded = {}
     for key, tensors in targets.items():
         if key not in saved:
             continue
         expected = {name: tuple(value.shape) for name, value in tensors.items()}
-        if saved[key] != expected:
+        if dict(saved[key]) != expected:
             differ = sorted(set(saved[key]) ^ set(expected)) or [n for n in expected if saved[key][n] != expected[n]]
             raise ValueError(
                 f"the checkpoint at {path} holds the state of callback {key} for other tensors than this run's "

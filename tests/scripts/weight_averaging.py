@@ -9,7 +9,8 @@ what the test compares to OUT/results.pt:
 - ``sharded``: ``ShardedEMA(DECAY, update_every=2)`` under ``myfsdp``: the exported average, an EMA of the gathered
   weights computed in one process alongside, snapshots of the model before / during / after each validation, the
   bytes each rank's EMA holds and its shard's size. At step 3 it saves both checkpoint forms.
-- ``resumed_sharded`` / ``resumed_full``: fresh runs resumed from those step-3 checkpoints, to step 6.
+- ``resumed_sharded`` / ``resumed_full``: fresh runs resumed from those step-3 checkpoints, to step 6; and
+  ``misfit_*``: the same checkpoints resumed with an EMA of other parameters, which must be refused untouched.
 - ``lora_ddp`` / ``lora``: a LoRA-adapted GPT (base frozen) holding a ``torch.optim.swa_utils.AveragedModel`` built in
   ``__init__``, under ddp and under ``myfsdp`` with ``ShardedEMA(trainable_only=True)`` beside it.
 - ``refused``: Lightning's three averaging callbacks under ``myfsdp``: the message, and whether the model changed.
@@ -186,6 +187,25 @@ def sharded_runs(out: Path, results: dict[str, Any]) -> None:
         ema = ShardedEMA(decay=DECAY, update_every=2)
         trainer = fit(myfsdp(), [ema], ckpt_path=out / f"{form}_step3.ckpt", validation=False)
         results[f"resumed_{form}"] = {"export": ema.full_state_dict(), "updates": ema.updates}
+        results[f"misfit_{form}"] = misfit_resume(out / f"{form}_step3.ckpt")
+
+
+def misfit_resume(checkpoint: Path) -> dict[str, Any]:
+    """Resume ``checkpoint`` with an EMA of other parameters (same state key, ``trainable_only``): the refusal, and
+    whether the model still holds the weights it was built with."""
+    L.seed_everything(0)
+    model = ScaledGPT()
+    built = {name: value.clone() for name, value in model.state_dict().items()}
+    trainer = make_trainer(
+        myfsdp(), devices=dist.get_world_size(), max_steps=STEPS, callbacks=[ShardedEMA(DECAY, 2, trainable_only=True)]
+    )
+    try:
+        trainer.fit(model, token_loader(12, 2), ckpt_path=checkpoint)
+        message = None
+    except ValueError as error:
+        message = str(error)
+    after = full_state_dict(model)
+    return {"message": message, "unchanged": all(torch.equal(after[k], v) for k, v in built.items()) if after else None}
 
 
 def lora_runs(results: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_fsdp import ShardedEMA
 from lightning_fsdp.checkpoint.callback_tensors import SHARDED_TENSORS
 from lightning_fsdp.checkpoint.convert import convert
 from tests.distributed import run_distributed
@@ -140,3 +141,12 @@ def test_lightning_averaging_callbacks_are_refused_at_setup(results: dict[str, A
     alternative = "AveragedModel" if callback == "StochasticWeightAveraging" else "lightning_fsdp.ShardedEMA"
     assert alternative in refused["message"]
     assert refused["unchanged"]
+
+
+def test_bad_arguments_are_refused_with_a_sentence() -> None:
+    with pytest.raises(ValueError, match=r"decay=1.0\) must be a number in \[0, 1\)"):
+        ShardedEMA(decay=1.0)
+    with pytest.raises(ValueError, match=r"update_every=0\) must be a positive int"):
+        ShardedEMA(update_every=0)
+    with pytest.raises(RuntimeError, match="has no model yet"):
+        ShardedEMA().full_state_dict()

@@ -57,6 +57,9 @@ def test_sharded_ema_equals_ddp_ema_and_the_one_process_reference(results: dict[
     assert ours["updates"] == 3  # after steps 1, 3 and 5
     assert_close(parameters_of(ours["export"], set(ddp)), ddp, "ShardedEMA vs ddp's EMAWeightAveraging")
     assert_close(parameters_of(ours["export"], set(ddp)), ours["reference"], "ShardedEMA vs one process")
+    sgo = results["shard_grad_op"]
+    assert_close(parameters_of(sgo["export"], set(ddp)), ddp, "ShardedEMA under SHARD_GRAD_OP vs ddp")
+    assert sgo["val_loss"] == pytest.approx(results["ddp"]["val_loss"], rel=RTOL)
     # Not vacuous: the average lies well away from the weights it averages.
     assert max(relative_error(ours["final"][name], value) for name, value in ddp.items()) > 1e-3
 

@@ -8,7 +8,8 @@ what the test compares to OUT/results.pt:
   the validation losses computed with them (the reference nobody here wrote).
 - ``sharded``: ``ShardedEMA(DECAY, update_every=2)`` under ``myfsdp``: the exported average, an EMA of the gathered
   weights computed in one process alongside, snapshots of the model before / during / after each validation, the
-  bytes each rank's EMA holds and its shard's size. At step 3 it saves both checkpoint forms.
+  bytes each rank's EMA holds and its shard's size. At step 3 it saves both checkpoint forms. ``shard_grad_op``:
+  the same under SHARD_GRAD_OP (parameters kept gathered from forward to backward), validation included.
 - ``resumed_sharded`` / ``resumed_full``: fresh runs resumed from those step-3 checkpoints, to step 6; and
   ``misfit_*``: the same checkpoints resumed with an EMA of other parameters, which must be refused untouched.
 - ``lora_ddp`` / ``lora``: a LoRA-adapted GPT (base frozen) holding a ``torch.optim.swa_utils.AveragedModel`` built in
@@ -183,6 +184,9 @@ def sharded_runs(out: Path, results: dict[str, Any]) -> None:
         "updates": ema.updates,
         "state_key": ema.state_key,
     }
+    ema, probe = ShardedEMA(decay=DECAY, update_every=2), ValidationProbe()
+    fit(FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="SHARD_GRAD_OP"), [probe, ema])
+    results["shard_grad_op"] = {"export": ema.full_state_dict(), "val_loss": [r["val_loss"] for r in probe.records]}
     for form in ("sharded", "full"):
         ema = ShardedEMA(decay=DECAY, update_every=2)
         trainer = fit(myfsdp(), [ema], ckpt_path=out / f"{form}_step3.ckpt", validation=False)

@@ -8,6 +8,7 @@ Importing the package registers the strategy names ``"myfsdp"``, ``"myfsdp_shard
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_fsdp.averaging import ShardedEMA
 from lightning_fsdp.checkpoint.pretrained import load_pretrained
 from lightning_fsdp.engine import (
     BackwardPrefetch,
@@ -37,6 +38,7 @@ __all__ = [
     "FSDPPrecision",
     "FSDPStrategy",
     "MixedPrecision",
+    "ShardedEMA",
     "ShardedGradScaler",
     "ShardingStrategy",
     "apply_activation_checkpointing",

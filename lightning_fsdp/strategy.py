@@ -48,7 +48,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fsdp.averaging.unsupported import refuse_unsharded_averaging
 from lightning_fsdp.checkpoint.atomic import check_destination, remove, tensor_bytes
+from lightning_fsdp.checkpoint.callback_tensors import (
+    CALLBACKS,
+    callback_tensor_targets,
+    gather_callback_tensors,
+    pop_callback_tensors,
+)
 from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_checkpoint, mark_trainable_only
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded
 from lightning_fsdp.checkpoint_io import atomic_checkpoint_io
@@ -298,6 +305,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
+        refuse_unsharded_averaging(trainer.callbacks)
         self.accelerator.setup(trainer)
         self._check_device_id()
         if unit_of(self._module()) is None:
@@ -450,10 +458,12 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Write atomically: one file from rank 0, or one folder (DCP shards from every rank plus ``meta.pt``).
 
-        Either way the destination is checked first, on rank 0 and for every rank: a save replaces only a checkpoint
-        of the same form and refuses anything else (a user's folder, a foreign file) before a byte is written. The
-        full file goes through the ``checkpoint_io`` plugin made atomic (see ``checkpoint_io.py``; with
-        ``AsyncCheckpointIO`` it appears when the background write is complete).
+        Callbacks' per-rank tensors (``ShardedEMA``'s averaged rows) go with the form: gathered into the full file,
+        rank by rank into the folder (``checkpoint/callback_tensors.py``). Either way the destination is checked
+        first, on rank 0 and for every rank: a save replaces only a checkpoint of the same form and refuses anything
+        else (a user's folder, a foreign file) before a byte is written. The full file goes through the
+        ``checkpoint_io`` plugin made atomic (see ``checkpoint_io.py``; with ``AsyncCheckpointIO`` it appears when the
+        background write is complete).
         """
         if self.save_trainable_only:
             mark_trainable_only(checkpoint)
@@ -461,8 +471,11 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             state = {"model": checkpoint.pop("state_dict")}
             for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
                 state[f"optimizer_{index}"] = optimizer_state
+            if callback_tensors := pop_callback_tensors(checkpoint):
+                state[CALLBACKS] = callback_tensors
             save_sharded(filepath, state, checkpoint)
             return
+        gather_callback_tensors(checkpoint)
         refusal = None
         if self.is_global_zero:
             refusal = check_destination(Path(filepath), "full", tensor_bytes(checkpoint))
@@ -499,11 +512,11 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         trust = weights_only is False or (weights_only is None and self.trust_checkpoint)
         opt_in = "trainer.fit(..., weights_only=False) or FSDPStrategy(trust_checkpoint=True)"
         path = Path(checkpoint_path)
-        if path.is_dir():
-            return load_sharded(path, module, optimizers, module.strict_loading, trust, opt_in)
         if not path.exists():
             raise FileNotFoundError(f"no checkpoint at {path}; pass a .ckpt file or a sharded checkpoint folder.")
-        return load_full_checkpoint(path, module, optimizers, module.strict_loading, trust, opt_in)
+        targets = callback_tensor_targets(module.trainer.callbacks)  # ShardedEMA's rows, say
+        load = load_sharded if path.is_dir() else load_full_checkpoint
+        return load(path, module, optimizers, module.strict_loading, trust, opt_in, targets)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -6,8 +6,9 @@ Layouts (the same as Lightning's own FSDP checkpoints, so Lightning's tools read
   ``optimizer_states`` are standard ``Optimizer.state_dict()``s at full shapes (plus each group's
   ``param_names``), so any strategy -- ddp, a single device -- loads it as its own.
 - sharded: a folder in ``torch.distributed.checkpoint`` format holding ``model`` (the state dict, shards as
-  ``Shard(0)`` DTensors) and ``optimizer_0``, ``optimizer_1``, ... (state keyed by parameter name), plus ``meta.pt``
-  with the rest of the checkpoint (loop state, schedulers, callbacks). Loads at any world size.
+  ``Shard(0)`` DTensors), ``optimizer_0``, ``optimizer_1``, ... (state keyed by parameter name) and, for callbacks
+  that keep per-rank tensors (``ShardedEMA``), ``callbacks`` (see ``callback_tensors.py``), plus ``meta.pt`` with
+  the rest of the checkpoint (loop state, schedulers, callbacks). Loads at any world size.
 
 Every write is atomic: it appears under its final name only when complete.
 """

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from lightning_fsdp.checkpoint.atomic import atomic_directory, tensor_bytes, write_file_atomically
+from lightning_fsdp.checkpoint.callback_tensors import CALLBACKS, merge_callback_tensors
 from lightning_fsdp.checkpoint.destination import refusal_to_replace
 from lightning_fsdp.checkpoint.full import save_full_checkpoint
 from lightning_fsdp.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, lightning_prefix, write_hf_folder
@@ -167,6 +168,7 @@ def _read_sharded(src: Path, trust: bool) -> dict[str, Any]:
     checkpoint["state_dict"] = nested["model"]
     count = len([key for key in nested if key.startswith("optimizer_")])
     checkpoint["optimizer_states"] = [_positional_optimizer_state(nested[f"optimizer_{i}"]) for i in range(count)]
+    merge_callback_tensors(checkpoint, nested.get(CALLBACKS, {}))  # full tensors, as a full save writes them
     return checkpoint
 
 

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.atomic import tensor_bytes, write_file_atomically
+from lightning_fsdp.checkpoint.callback_tensors import check_full_callback_tensors
 from lightning_fsdp.checkpoint.optimizer_check import check_optimizer_fits, optimizers_restored_on_error
 from lightning_fsdp.checkpoint.safe_load import load_torch_file
 from lightning_fsdp.engine.param import FSDPParam
@@ -72,16 +73,23 @@ def load_full_checkpoint(
     strict: bool = True,
     trust: bool = False,
     opt_in: str = "trust=True",
+    callback_tensors: Mapping[str, dict[str, Tensor]] | None = None,
 ) -> dict[str, Any]:
     """Load a full checkpoint file (ours, ddp's, one device's) into the sharded ``module`` and ``optimizers``; return
-    the rest of it. Everything is checked -- keys, shapes, optimizer count, type, grouping, state shapes -- before
-    the first tensor changes. Read memory-mapped: each rank copies its rows without a second full copy.
+    the rest of it. Everything is checked -- keys, shapes, optimizer count, type, grouping, state shapes, the
+    per-rank tensors of ``callback_tensors``' callbacks (see ``callback_tensors.py``) -- before the first tensor
+    changes. Read memory-mapped: each rank copies its rows without a second full copy.
     """
-    return load_full_state(load_torch_file(path, trust, opt_in), path, module, optimizers, strict)
+    return load_full_state(load_torch_file(path, trust, opt_in), path, module, optimizers, strict, callback_tensors)
 
 
 def load_full_state(
-    checkpoint: Any, path: str | os.PathLike, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool = True
+    checkpoint: Any,
+    path: str | os.PathLike,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool = True,
+    callback_tensors: Mapping[str, dict[str, Tensor]] | None = None,
 ) -> dict[str, Any]:
     """``load_full_checkpoint`` of a checkpoint already read from ``path`` (which names it in messages)."""
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
@@ -90,6 +98,7 @@ def load_full_state(
         check_no_unexpected(set(module.state_dict(keep_vars=True)), set(checkpoint["state_dict"]), path)
         strict = False
     check_keys_and_shapes(module.state_dict(keep_vars=True), checkpoint["state_dict"], strict, full_shapes=True)
+    check_full_callback_tensors(checkpoint, callback_tensors or {}, path)
     saved_optimizers = checkpoint.pop("optimizer_states", [])
     if optimizers and len(saved_optimizers) != len(optimizers):
         raise ValueError(

@@ -12,18 +12,19 @@ trusts the folder (see ``safe_load.py``).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.atomic import atomic_directory, tensor_bytes
+from lightning_fsdp.checkpoint.callback_tensors import CALLBACKS, merge_callback_tensors, recorded_callback_tensors
 from lightning_fsdp.checkpoint.full import check_no_unexpected, is_trainable_only
 from lightning_fsdp.checkpoint.optimizer_check import check_optimizer_fits, optimizers_restored_on_error
 from lightning_fsdp.checkpoint.safe_load import dcp_load_planner, dcp_reader, load_torch_file, read_dcp_metadata
@@ -66,10 +67,13 @@ def load_sharded(
     strict: bool = True,
     trust: bool = False,
     opt_in: str = "trust=True",
+    callback_tensors: Mapping[str, dict[str, Tensor]] | None = None,
 ) -> dict[str, Any]:
     """Load model and optimizer states into place after checking the whole folder; returns ``meta.pt``'s contents.
 
     ``trust`` allows unpickling more than plain data (``opt_in`` is how the caller's user says so, for messages).
+    ``callback_tensors``: callbacks' per-rank tensors to load in place, by state key (see ``callback_tensors.py``);
+    those the folder records come back inside the returned callback states.
     """
     path = Path(path)
     metadata = read_checked_metadata(path, trust, opt_in)
@@ -90,6 +94,9 @@ def load_sharded(
             f"{len(optimizers)} optimizer(s); resume with the configure_optimizers the checkpoint was trained with."
         )
     target: dict[str, Any] = {"model": sharded_state_dict(module)}
+    callbacks = recorded_callback_tensors(metadata, callback_tensors or {}, path)
+    if callbacks:
+        target[CALLBACKS] = callbacks
     if not strict:
         target["model"] = {k: v for k, v in target["model"].items() if f"model.{k}" in metadata.state_dict_metadata}
     with optimizers_restored_on_error(optimizers):
@@ -106,6 +113,7 @@ def load_sharded(
     dcp.load(target, storage_reader=dcp_reader(path, trust, opt_in), planner=dcp_load_planner(trust, opt_in))
     for index, optimizer in enumerate(optimizers):
         apply_optimizer_hyperparameters(optimizer, target[f"optimizer_{index}"]["param_groups"])
+    merge_callback_tensors(meta, callbacks)
     return meta
 
 

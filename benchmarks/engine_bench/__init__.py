@@ -6,6 +6,7 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_engine.py   # same, under torchrun
     python benchmarks/bench_engine.py --world-size 1 --impls ours,plain   # one rank: ours against the module itself
     python benchmarks/bench_engine.py --preset tiny --compile inductor   # every implementation torch.compile'd alike
+    python benchmarks/bench_engine.py --compiled-row inductor   # also every implementation compiled, same rounds
     python benchmarks/bench_engine.py --transport gloo      # ours without shared memory, as between hosts
     python benchmarks/bench_engine.py --largest --batch-size 1 --json benchmarks/results/largest.json
     python benchmarks/bench_engine.py --from-json benchmarks/results/run.json benchmarks/results/largest.json \
@@ -40,6 +41,10 @@ Why it is built this way:
   each strategy fits according to ``lightning_fsdp.estimate``, and one measured step of a model that the estimator
   says fits FULL_SHARD but not DDP. Its peak is measured too (allocator events under ``torch.profiler``), because
   the steady bytes after a step leave out the units gathered during it.
+- ``--compiled-row BACKEND`` runs each implementation a second time per round under ``torch.compile(model,
+  backend=BACKEND)`` (after it is parallelised, as users write it) and adds the compiled table, its ratios, the
+  graph breaks and graphs compiled (``torch._dynamo``'s counters, read after the timed steps), and each
+  implementation's compiled/eager step time. Compiling happens in the warm-up steps, outside the timing.
 - ``--transport gloo`` sets ``LIGHTNING_FSDP_SHARED_MEMORY=0`` in every rank (of every implementation alike), so
   ours moves everything over gloo as it does between hosts; ``shm`` (the default) leaves one host's shared memory on.
 - ``--plot`` draws step time, memory per implementation and memory against model size (the estimator's lines

@@ -69,6 +69,8 @@ class BenchArgs:
     wrap: str = "block"
     # torch.compile the whole (parallelised) model with this backend; None: eager.
     compile: str | None = None
+    # Also run every implementation compiled with this backend, interleaved with the eager rounds.
+    compiled_row: str | None = None
     # Ours' transport on one host: "shm" (shared memory, the default) or "gloo" (as between hosts).
     transport: str = "shm"
 
@@ -122,6 +124,13 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         help="torch.compile the whole model of every implementation with this backend (inductor, aot_eager)",
     )
     parser.add_argument(
+        "--compiled-row",
+        default=None,
+        metavar="BACKEND",
+        help="also run every implementation under torch.compile(model, backend=BACKEND), in the same rounds, and "
+        "report compiled ours/fsdp2/ddp, compiled/eager and the graph breaks (inductor: minutes of compiling)",
+    )
+    parser.add_argument(
         "--transport",
         choices=TRANSPORTS,
         default="shm",
@@ -165,6 +174,8 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         parser.error("--impls plain (the module without parallelism) needs --world-size 1")
     if sizes["n_embd"] % sizes["n_head"]:
         parser.error(f"--n-embd {sizes['n_embd']} must be a multiple of --n-head {sizes['n_head']}")
+    if ns.compile is not None and ns.compiled_row is not None:
+        parser.error("--compile compiles every run already; --compiled-row adds compiled runs to eager ones: pick one")
     if ns.steps < 1 or ns.rounds < 1 or ns.warmup < 0:
         parser.error("--steps and --rounds must be at least 1, --warmup at least 0")
     return BenchArgs(
@@ -190,5 +201,6 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         wrap=ns.wrap,
         compile=ns.compile,
         transport=ns.transport,
+        compiled_row=ns.compiled_row,
         **sizes,
     )

@@ -87,36 +87,43 @@ def available_impls(args: BenchArgs) -> tuple[list[str], dict[str, str]]:
     return usable, skipped
 
 
-def run_all_spawned(args: BenchArgs, impls: list[str]) -> dict[str, list[list[dict[str, Any]] | str]]:
-    """Every round runs every implementation once, in that order, each in its own processes."""
-    results: dict[str, list[list[dict[str, Any]] | str]] = {impl: [] for impl in impls}
-    for round_index in range(args.rounds):
-        for impl in impls:
-            start = time.monotonic()
-            outcome = spawn_impl(impl, args)
-            if isinstance(outcome, str):
-                # One retry: rare native crashes of gloo/the profiler on a loaded machine should not void a
-                # round; the failure is still printed and counted.
-                print(f"  {impl} failed, retrying once: {outcome.strip()[-3000:]}", flush=True)
-                results[impl].append(outcome)
-                outcome = spawn_impl(impl, args)
-            status = "ok" if isinstance(outcome, list) else "FAILED"
-            print(
-                f"round {round_index + 1}/{args.rounds} {impl:6s} {status} in {time.monotonic() - start:.1f} s",
-                flush=True,
-            )
-            if isinstance(outcome, str):
-                print(f"  {impl} failed: {outcome.strip()[-3000:]}", flush=True)
-            results[impl].append(outcome)
+Results = dict[str, list[list[dict[str, Any]] | str]]  # per implementation, per round: the ranks' numbers or why not
+
+
+def run_all_spawned(configs: list[BenchArgs], impls: list[str]) -> list[Results]:
+    """Every round runs every implementation under every config once (eager, then compiled with --compiled-row),
+    in that order, each in its own processes; one result per config."""
+    results: list[Results] = [{impl: [] for impl in impls} for _ in configs]
+    rounds = configs[0].rounds
+    for round_index in range(rounds):
+        for config, config_results in zip(configs, results, strict=True):
+            for impl in impls:
+                name = impl if config.compile is None else f"{impl} compiled"
+                start = time.monotonic()
+                outcome = spawn_impl(impl, config)
+                if isinstance(outcome, str):
+                    # One retry: rare native crashes of gloo/the profiler on a loaded machine should not void a
+                    # round; the failure is still printed and counted.
+                    print(f"  {name} failed, retrying once: {outcome.strip()[-3000:]}", flush=True)
+                    config_results[impl].append(outcome)
+                    outcome = spawn_impl(impl, config)
+                status = "ok" if isinstance(outcome, list) else "FAILED"
+                print(
+                    f"round {round_index + 1}/{rounds} {name:15s} {status} in {time.monotonic() - start:.1f} s",
+                    flush=True,
+                )
+                if isinstance(outcome, str):
+                    print(f"  {name} failed: {outcome.strip()[-3000:]}", flush=True)
+                config_results[impl].append(outcome)
     return results
 
 
-def run_all_torchrun(args: BenchArgs, impls: list[str]) -> dict[str, list[list[dict[str, Any]] | str]] | None:
+def run_all_torchrun(args: BenchArgs, impls: list[str]) -> Results | None:
     """The same rounds inside torchrun's processes (shared, so peak RSS is not isolated); rank 0 gets all."""
     _prepare_rank(args)
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    results: dict[str, list[list[dict[str, Any]] | str]] = {impl: [] for impl in impls}
+    results: Results = {impl: [] for impl in impls}
     try:
         for round_index in range(args.rounds):
             for impl in impls:

@@ -14,7 +14,7 @@ from .config import BenchArgs, parse_args
 from .largest import run_largest
 from .launch import available_impls, run_all_spawned, run_all_torchrun
 from .plots import plot_results
-from .report import report, source_line, source_state, summarize
+from .report import compiled_report, report, source_line, source_state, summarize
 
 
 def run_comparison(args: BenchArgs) -> dict[str, Any] | None:
@@ -30,10 +30,26 @@ def run_comparison(args: BenchArgs) -> dict[str, Any] | None:
             print(f"WARNING: skipping {impl}: {why}", flush=True)
     if not impls:
         raise SystemExit("no implementation to run")
-    results = run_all_torchrun(args, impls) if under_torchrun else run_all_spawned(args, impls)
+    compiled_args = (
+        replace(args, compile=args.compiled_row, compiled_row=None) if args.compiled_row is not None else None
+    )
+    if under_torchrun:
+        if compiled_args is not None:
+            raise SystemExit("--compiled-row spawns its own ranks for the compiled runs; run it without torchrun")
+        results = run_all_torchrun(args, impls)
+        compiled_results = None
+    else:
+        results, *rest = run_all_spawned([args] + ([compiled_args] if compiled_args else []), impls)
+        compiled_results = rest[0] if rest else None
     if results is None:  # a torchrun rank other than 0
         return None
     summaries = {impl: summarize(impl, rounds, args) for impl, rounds in results.items()}
+    lines = [source_line(source), *report(summaries, args, rss_isolated=not under_torchrun)]
+    compiled: dict[str, Any] | None = None
+    if compiled_args is not None and compiled_results is not None:
+        compiled_summaries = {impl: summarize(impl, rounds, compiled_args) for impl, rounds in compiled_results.items()}
+        compiled = {"args": asdict(compiled_args), "summaries": compiled_summaries, "raw": compiled_results}
+        lines += compiled_report(summaries, compiled_summaries, compiled_args)
     return {
         "kind": "comparison",
         "args": asdict(args),
@@ -42,8 +58,9 @@ def run_comparison(args: BenchArgs) -> dict[str, Any] | None:
         "skipped": skipped,
         "rss_isolated": not under_torchrun,
         "summaries": summaries,
-        "report": [source_line(source), *report(summaries, args, rss_isolated=not under_torchrun)],
+        "report": lines,
         "raw": results,
+        "compiled": compiled,
     }
 
 

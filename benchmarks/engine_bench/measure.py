@@ -60,13 +60,17 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 
 
 def live_tensor_bytes() -> int:
-    """Bytes of every distinct storage behind a tensor the garbage collector can reach."""
+    """Bytes of every distinct storage behind a tensor the garbage collector can reach.
+
+    Leaves out the fake tensors torch.compile keeps from tracing: they have no memory behind them."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     gc.collect()
 
     def tensors() -> Iterator[torch.Tensor]:
         for obj in gc.get_objects():
             with contextlib.suppress(Exception):  # some objects raise on isinstance (lazy modules, proxies)
-                if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
+                if isinstance(obj, torch.Tensor) and obj.device.type != "meta" and not isinstance(obj, FakeTensor):
                     yield obj
 
     return _storages(tensors(), set())
@@ -174,6 +178,17 @@ def peak_step(
     return loss, {"step_start_tensor_bytes": start, "step_peak_tensor_bytes": start + highest}
 
 
+def compile_stats() -> dict[str, int]:
+    """What torch.compile did in this process so far: graph breaks (each a fall back to Python between two
+    graphs, counted once per compiled frame) and the graphs compiled (recompilations included)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "graphs": counters["stats"]["unique_graphs"],
+    }
+
+
 def run_impl(impl: str, args: BenchArgs, rank: int, world_size: int) -> dict[str, Any]:
     """Train ``impl`` for one round on this rank and measure it; returns this rank's numbers."""
     baseline_rss = peak_rss_bytes()
@@ -195,6 +210,7 @@ def run_impl(impl: str, args: BenchArgs, rank: int, world_size: int) -> dict[str
         losses.append(train_step(trainee, optimizer, next(batch_iter), args))
         step_times.append(time.perf_counter() - start)
     train_peak_rss = peak_rss_bytes()  # before the counted / profiled steps, whose tooling allocates too
+    compiled = compile_stats() if args.compile is not None else {}  # before the tooling's steps, which may recompile
 
     with CollectiveCounter() as comm:
         losses.append(train_step(trainee, optimizer, next(batch_iter), args))
@@ -222,4 +238,5 @@ def run_impl(impl: str, args: BenchArgs, rank: int, world_size: int) -> dict[str
         "comm_bytes": dict(comm.bytes),
         **comm_time,
         **peak,
+        **compiled,
     }

@@ -51,6 +51,9 @@ def summarize(impl: str, rounds: list[list[dict[str, Any]] | str], args: BenchAr
         "loss_curve": loss_curves[0],
         "loss_same_every_round": all(curve == loss_curves[0] for curve in loss_curves),
     }
+    if args.compile is not None:
+        summary["graph_breaks"] = max(r["graph_breaks"] for round_ in ok for r in round_)
+        summary["graphs"] = max(r["graphs"] for round_ in ok for r in round_)
     if args.profile:
         summary["profiled_step_s"] = statistics.median(max(r["profiled_step_s"] for r in round_) for round_ in ok)
         summary["comm_busy_s"] = statistics.median(statistics.fmean(r["comm_busy_s"] for r in round_) for round_ in ok)
@@ -101,6 +104,9 @@ def report(summaries: dict[str, dict[str, Any]], args: BenchArgs, rss_isolated: 
         rows.append(
             (f"{kind} /step/rank", lambda s, k=kind: f"{mib(s['comm_bytes'].get(k, 0))} ({s['comm_counts'].get(k, 0)})")
         )
+    if args.compile is not None:
+        rows.append(("graph breaks", lambda s: f"{s['graph_breaks']}"))
+        rows.append(("graphs compiled", lambda s: f"{s['graphs']}"))
     if args.profile:
         rows.append(("profiled step", lambda s: f"{s['profiled_step_s'] * 1e3:.0f} ms"))
         rows.append(("comm busy /step", lambda s: f"{s['comm_busy_s'] * 1e3:.0f} ms"))
@@ -188,3 +194,23 @@ def source_line(source: dict[str, Any]) -> str:
     """The report's first line: which code produced the numbers (see :func:`source_state`)."""
     modified = " + uncommitted changes in lightning_fsdp/" if source["lightning_fsdp_modified"] else ""
     return f"code: commit {source['commit']}{modified} (engine files sha1 {source['engine_sha1']})"
+
+
+def compiled_report(
+    eager: dict[str, dict[str, Any]], compiled: dict[str, dict[str, Any]], args: BenchArgs
+) -> list[str]:
+    """--compiled-row: the compiled rounds' table, then each implementation's compiled/eager step time."""
+    lines = [
+        "",
+        f"compiled: torch.compile(model, backend={args.compile!r}) of every implementation, the same model and data",
+        *report(compiled, args, rss_isolated=True),
+    ]
+    both = [impl for impl in compiled if compiled[impl]["ok"] and eager.get(impl, {}).get("ok")]
+    if both:
+        width = 24
+        lines.append("")
+        lines.append(f"{'compiled / eager':{width}s}" + "".join(f"{impl:>22s}" for impl in both))
+        for title, key in (("step time (median)", "step_time_median_s"), ("step time (min)", "step_time_min_s")):
+            cells = "".join(f"{_ratio(compiled[i][key], eager[i][key]):>22s}" for i in both)
+            lines.append(f"{title:{width}s}" + cells)
+    return lines

@@ -44,4 +44,4 @@ def _offload(rank: int, world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_cpu_offload_keeps_pinned_shards_on_the_cpu_and_trains_like_the_unsharded_model(world_size: int) -> None:
-    run_distributed(_offload, world_size, backend="nccl", timeout=300.0)
+    run_distributed(_offload, world_size, backend="nccl", timeout=150.0)

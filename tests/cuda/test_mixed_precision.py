@@ -70,4 +70,4 @@ def _bf16_parity(rank: int, world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_bf16_mixed_precision_matches_the_casts_done_by_hand(world_size: int) -> None:
-    run_distributed(_bf16_parity, world_size, backend="nccl", timeout=300.0)
+    run_distributed(_bf16_parity, world_size, backend="nccl", timeout=150.0)

@@ -32,4 +32,4 @@ def _every_case(rank: int, world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_nccl_parity_with_the_unsharded_model(world_size: int) -> None:
-    run_distributed(_every_case, world_size, backend="nccl", timeout=300.0)
+    run_distributed(_every_case, world_size, backend="nccl", timeout=150.0)

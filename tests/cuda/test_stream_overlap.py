@@ -102,4 +102,4 @@ def _profile_a_step(rank: int, world_size: int, folder: str) -> None:
 
 
 def test_the_all_gather_of_the_next_unit_runs_during_this_units_compute(tmp_path: Path) -> None:
-    run_distributed(_profile_a_step, 2, str(tmp_path), backend="nccl", timeout=300.0)
+    run_distributed(_profile_a_step, 2, str(tmp_path), backend="nccl", timeout=150.0)

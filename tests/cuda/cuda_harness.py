@@ -41,6 +41,11 @@ def exact_fp32() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
+def rank_device() -> torch.device:
+    """This rank's CUDA device (``run_distributed`` made it the current one)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def global_batch(step: int, world_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's global batch (every rank builds the same one), inputs and next-token targets."""
     data = torch.Generator().manual_seed(step)
@@ -75,7 +80,7 @@ def train_side_by_side(
 ) -> tuple[nn.Module, nn.Module]:
     """Train ``shard(copy of the reference)`` on this rank's part of each batch and the reference on all of it,
     AdamW on both, and assert the clipped norms and then the weights agree; returns (sharded, reference)."""
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = rank_device()
     torch.manual_seed(0)
     reference = GPT(TINY_GPT).to(device)
     model = shard(copy.deepcopy(reference))

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_fsdp import MixedPrecision
 from lightning_fsdp.demos.gpt import GPT
+from tests.cuda import cuda_harness
 from tests.cuda.cuda_harness import (
     WORLD_SIZES,
     assert_same_weights,
@@ -41,7 +42,7 @@ def _reference_step(master: nn.Module, low: nn.Module, inputs: torch.Tensor, tar
 
 
 def _bf16_parity(rank: int, world_size: int) -> None:
-    device = torch.device("cuda", rank)
+    device = cuda_harness.rank_device()
     torch.manual_seed(0)
     master = GPT(TINY_GPT).to(device)
     low = copy.deepcopy(master).to(torch.bfloat16)

@@ -25,8 +25,7 @@ def _every_case(rank: int, world_size: int) -> None:
     for label, options in CASES:
         model, _ = train_side_by_side(rank, world_size, shard_with(**options), f"W={world_size} {label}", clip_norm=0.5)
         device = torch.device("cuda", rank)
-        # The shards stay on this rank's device, and sharding divided them as the strategy says.
-        for name, param in model.named_parameters():
+        for name, param in model.named_parameters():  # the shards stay on this rank's device
             assert param.device == device, f"[{label}] {name} is on {param.device}, not {device}"
 
 

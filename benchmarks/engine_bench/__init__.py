@@ -28,8 +28,8 @@ Why it is built this way:
   parameters, gradients and optimizer state, so a shard stored inside a padded buffer counts the buffer, and
   a freed (resized to 0) unsharded parameter counts nothing. DTensors (FSDP2) count their local tensors. The
   "live tensors" figure is the same over every tensor the garbage collector can reach, which catches buffers
-  an engine keeps alive outside the parameters, plus the slots of our shared-memory segment that collectives
-  have written (a mapped file is counted by what is resident, not by its size).
+  an engine keeps alive outside the parameters, plus this rank's own shared-memory segment of ours (allocated
+  whole when the transport is created; its size in ``/proc/self/maps``, so no engine internals are needed).
 - Communication volume is counted with ``CollectiveCounter`` (lightning_fsdp/engine/comm_stats.py) on one extra
   step that is not timed, because its dispatch mode slows every operator.
 - Communication time comes from ``torch.profiler`` on one more untimed step: "comm busy" is the union of the

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import resource
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +20,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from lightning_fsdp.demos.corpus import load_corpus, random_batches
 from lightning_fsdp.engine.comm_stats import CollectiveCounter
-from lightning_fsdp.engine.registry import units_under
 
 from .config import CORPUS_BYTES, BenchArgs
 from .trainees import Trainee, build, train_step
@@ -76,11 +77,27 @@ def live_tensor_bytes() -> int:
     return _storages(tensors(), set())
 
 
-def shared_memory_bytes(model: nn.Module) -> int:
-    """What ours' shared-memory transport holds on this rank: the slots written (0 for FSDP2 and DDP)."""
-    units = units_under(model)
-    transport = units[0].transport() if units else None
-    return transport.resident_bytes if transport is not None else 0
+#: How the engine names this process's shared-memory segment in /proc/<pid>/maps (see lightning_fsdp/engine/shm.py).
+SEGMENT_NAME = "/memfd:lightning_fsdp-{pid} (deleted)"
+
+
+def shared_memory_bytes() -> int:
+    """What ours' shared-memory transport holds on this rank: the size of this process's own segment as mapped (0 for
+    FSDP2 and DDP, and off Linux). The engine allocates a segment whole when it creates it, so its size is its
+    memory. Found in ``/proc/self/maps`` by its name, so the benchmark needs none of the engine's internals; the
+    other ranks' segments, which this process maps too, are theirs to count."""
+    own = SEGMENT_NAME.format(pid=os.getpid())
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return 0
+    total = 0
+    for line in lines:
+        fields = line.split(maxsplit=5)  # address range, permissions, offset, device, inode, name
+        if len(fields) == 6 and fields[5] == own:
+            start, end = (int(address, 16) for address in fields[0].split("-"))
+            total += end - start
+    return total
 
 
 def peak_rss_bytes() -> int:
@@ -166,7 +183,7 @@ def peak_step(
     bytes leave out.
     """
     optimizer.zero_grad(set_to_none=True)
-    start = live_tensor_bytes() + shared_memory_bytes(trainee.model) - data_bytes
+    start = live_tensor_bytes() + shared_memory_bytes() - data_bytes
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         loss = train_step(trainee, optimizer, batch, args)
     events = prof.profiler.kineto_results.events() if prof.profiler is not None else []
@@ -215,7 +232,7 @@ def run_impl(impl: str, args: BenchArgs, rank: int, world_size: int) -> dict[str
     with CollectiveCounter() as comm:
         losses.append(train_step(trainee, optimizer, next(batch_iter), args))
     memory = state_bytes(trainee.model, optimizer)
-    live = live_tensor_bytes() + shared_memory_bytes(trainee.model)
+    live = live_tensor_bytes() + shared_memory_bytes()
     comm_time: dict[str, Any] = {}
     if args.profile:
         loss, comm_time = profiled_step(trainee, optimizer, next(batch_iter), args)

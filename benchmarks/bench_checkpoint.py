@@ -38,7 +38,6 @@ import importlib.util
 import json
 import multiprocessing
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -52,7 +51,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("lightning_fsdp") is None:  # run from a checkout where the package is not installed
@@ -73,6 +71,7 @@ from lightning_fsdp.checkpoint.pretrained import load_pretrained  # noqa: E402
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded, sharded_checkpoint_state  # noqa: E402
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig  # noqa: E402
 from lightning_fsdp.engine.state_dict import full_state_dict, init_optimizer_state, load_full_state_dict  # noqa: E402
+from lightning_fsdp.launch import free_port, spawn_with_deadline  # noqa: E402
 from lightning_fsdp.process_exit import exit_now  # noqa: E402
 
 MB = 1e6
@@ -220,26 +219,8 @@ def _rank(rank: int, args: Args, port: int) -> None:
     exit_now()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(args: Args) -> list[dict[str, Any]]:
-    context = mp.start_processes(
-        _rank, args=(args, _free_port()), nprocs=args.world_size, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + args.timeout
-    try:
-        while not context.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the ranks did not finish within {args.timeout:g} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join()
+    spawn_with_deadline(_rank, args.world_size, (args, free_port()), args.timeout)
     return json.loads((Path(args.folder) / "ranks.json").read_text())
 
 

@@ -30,14 +30,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_engine  # noqa: E402
+from engine_bench.config import CORPUS_BYTES, PRESETS, BenchArgs, parse_args  # noqa: E402
+from engine_bench.trainees import build, train_step  # noqa: E402
 
+from lightning_fsdp.demos.corpus import load_corpus, random_batches  # noqa: E402
 from lightning_fsdp.engine import hooks, ledger, shm  # noqa: E402
+from lightning_fsdp.launch import free_port, spawn_with_deadline  # noqa: E402
 from lightning_fsdp.process_exit import exit_now  # noqa: E402
 
 SPENT: Counter[str] = Counter()
@@ -62,7 +64,7 @@ def _skip_exchange(stamp: ledger.Stamp, group: dist.ProcessGroup) -> None:
     """No identity exchange at all: the baseline the gloo row is compared with (this benchmark only)."""
 
 
-def _rank(rank: int, world_size: int, port: int, args: bench_engine.BenchArgs, steps: int, out: str) -> None:
+def _rank(rank: int, world_size: int, port: int, args: BenchArgs, steps: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=600))
@@ -70,7 +72,7 @@ def _rank(rank: int, world_size: int, port: int, args: bench_engine.BenchArgs, s
     _timed(ledger.Stamp, "exchange", "identity")
     _timed(shm.SharedMemoryTransport, "stamp", "identity")
     _timed(shm.SharedMemoryTransport, "verify", "identity")
-    tokens = bench_engine.load_corpus(max_bytes=bench_engine.CORPUS_BYTES)
+    tokens = load_corpus(max_bytes=CORPUS_BYTES)
     generator = torch.Generator().manual_seed(rank)
     lines = []
     timed_exchange = ledger.Stamp.exchange
@@ -82,15 +84,15 @@ def _rank(rank: int, world_size: int, port: int, args: bench_engine.BenchArgs, s
         ledger.Stamp.exchange = exchange
         os.environ[shm.ENV_SWITCH] = transport
         SPENT.clear()
-        trainee = bench_engine.build("ours", args)
+        trainee = build("ours", args)
         optimizer = torch.optim.AdamW(trainee.model.parameters(), lr=args.lr, foreach=True)
-        batches = [bench_engine.random_batches(tokens, args.batch_size, args.block_size, generator) for _ in range(2)]
-        bench_engine.train_step(trainee, optimizer, batches[0], args)  # lazy init and warm-up
+        batches = [random_batches(tokens, args.batch_size, args.block_size, generator) for _ in range(2)]
+        train_step(trainee, optimizer, batches[0], args)  # lazy init and warm-up
         fingerprint_s, SPENT["identity"] = SPENT["fingerprint"], 0.0
         times = []
         for _ in range(steps):
             start = time.perf_counter()
-            bench_engine.train_step(trainee, optimizer, batches[1], args)
+            train_step(trainee, optimizer, batches[1], args)
             times.append(time.perf_counter() - start)
         step = statistics.median(times)
         identity = SPENT["identity"] / steps
@@ -109,18 +111,15 @@ def _rank(rank: int, world_size: int, port: int, args: bench_engine.BenchArgs, s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(bench_engine.PRESETS), default="default")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per transport")
     parser.add_argument("--world-size", type=int, default=2)
     options = parser.parse_args()
-    args = bench_engine.parse_args(["--preset", options.preset, "--world-size", str(options.world_size)])
+    args = parse_args(["--preset", options.preset, "--world-size", str(options.world_size)])
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "lines.txt"
-        mp.start_processes(
-            _rank,
-            args=(options.world_size, bench_engine._free_port(), args, options.steps, str(out)),
-            nprocs=options.world_size,
-            start_method="spawn",
+        spawn_with_deadline(
+            _rank, options.world_size, (options.world_size, free_port(), args, options.steps, str(out)), timeout=900
         )
         print(out.read_text())
 

@@ -52,13 +52,15 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from typing_extensions import override
 
-# Run as a script (the benchmarks folder is then sys.path[0], which finds bench_engine) from a checkout where the
+# Run as a script (the benchmarks folder is then sys.path[0], which finds engine_bench) from a checkout where the
 # package is not installed: make the repository root importable, as `pip install -e .` would.
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("lightning_fsdp") is None:
     sys.path.insert(0, str(_REPO_ROOT))
 
-from bench_engine import LOSS_RTOL, source_line, source_state, state_bytes  # noqa: E402
+from engine_bench.config import LOSS_RTOL  # noqa: E402
+from engine_bench.measure import state_bytes  # noqa: E402
+from engine_bench.report import source_line, source_state  # noqa: E402
 
 from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.demos.datamodule import CharDataModule  # noqa: E402

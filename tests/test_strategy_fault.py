@@ -4,7 +4,6 @@ timeout (tests/scripts/strategy_fault.py; both ranks started here, without Light
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,16 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from lightning_fsdp.launch import free_port
 from tests.strategy_scripts import SCRIPTS
 
 STRATEGY_TIMEOUT_S = 20  # as in the script
 BOUND_S = 180  # the subprocess bound: a hang would run into it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("mode", ["kill", "stall"])

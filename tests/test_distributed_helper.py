@@ -66,9 +66,9 @@ def test_a_rank_killed_by_a_signal_fails_fast() -> None:
 def test_a_hanging_rank_is_killed_after_the_timeout(tmp_path: Path) -> None:
     start = time.monotonic()
     pid_file = tmp_path / "hanging_rank.pid"
-    # 20 s: long enough for both ranks to start (and rank 1 to finish) on a loaded machine, where importing torch in
-    # two fresh processes can take 10 s; the hang is then what the deadline catches.
-    with pytest.raises(TimeoutError, match=r"ranks \[0\] did not finish within 20 s: probably a hang"):
+    # The hanging rank 0 is always named. Rank 1 has nothing to do, but on a loaded shared machine its start-up alone
+    # (importing torch in a fresh process) can outlast the deadline, and then it is named as well.
+    with pytest.raises(TimeoutError, match=r"ranks \[0(, 1)?\] did not finish within 20 s: probably a hang"):
         run_distributed(_rank_zero_hangs, 2, str(pid_file), timeout=20.0)
     assert time.monotonic() - start < 40.0
     with pytest.raises(ProcessLookupError):  # killed and reaped, not left sleeping

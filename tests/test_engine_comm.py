@@ -12,17 +12,25 @@ from lightning_fsdp import fully_shard
 from lightning_fsdp.demos.gpt import GPT, Block
 from lightning_fsdp.engine import shm
 from lightning_fsdp.engine.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.ledger import DIGEST_BITS, STAMP_BYTES
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT, data_moving, initialize, reduce_scatter_kind
 
 FP32 = 4
+# Bytes a gloo collective sends beyond its data (see [Note: stamps in the frames] in lightning_fsdp/engine/gloo.py):
+# a stamp per frame; a summing collective carries digest bits in the data's dtype instead.
+FRAME_OVERHEAD = {
+    "all_gather": lambda world_size: STAMP_BYTES,
+    "all_to_all": lambda world_size: world_size * STAMP_BYTES,
+    "all_reduce": lambda world_size: DIGEST_BITS * FP32,
+}
 
 
 def _unit_shard_numels(model: GPT, world_size: int) -> list[int]:
     """Per unit (blocks in order, then the root), the padded elements one rank packs: sum of ceil(rows/W) rows.
 
     Over gloo alone the reduce-scatter is an all-to-all of the (W, shard_sum) gradient buffer plus a local sum
-    (see [Note: reduce-scatter on gloo] in ``collectives.py``), so it is counted as "all_to_all"; through shared
+    (see [Note: reduce-scatter on gloo] in ``gloo.py``), so it is counted as "all_to_all"; through shared
     memory it is counted as the reduce-scatter it is, with the same send buffer.
     """
 
@@ -65,6 +73,10 @@ def _check_counts(rank: int, world_size: int, shared_memory: bool) -> None:
         ),
         "NO_SHARD": ({"all_reduce": units}, {"all_reduce": sum(p.numel() for p in GPT(TINY_GPT).parameters()) * FP32}),
     }
+    if not shared_memory:  # over gloo every rank's part of a collective ends with the collective's stamp
+        for counts, nbytes in expected.values():
+            for kind, calls in counts.items():
+                nbytes[kind] += calls * FRAME_OVERHEAD[kind](world_size)
     for strategy, (counts, nbytes) in expected.items():
         for prefetch in ("BACKWARD_PRE", "BACKWARD_POST", None):
             torch.manual_seed(0)

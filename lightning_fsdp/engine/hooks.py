@@ -55,12 +55,11 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_fsdp.engine.buffers import BufferPool
 from lightning_fsdp.engine.fingerprint import check_same_model
 from lightning_fsdp.engine.ledger import Ledger
 from lightning_fsdp.engine.options import BackwardPrefetch
 from lightning_fsdp.engine.registry import units_under
-from lightning_fsdp.engine.shm import SharedMemoryTransport
+from lightning_fsdp.engine.transport import Transport, choose_transport
 from lightning_fsdp.engine.unit import FSDPUnit, PendingGradReduction, ShardState, TrainingState
 
 # At most this many units gathered ahead of their use (the rate limiter of ``limit_all_gathers``).
@@ -77,8 +76,7 @@ class RootContext:
         self._position: dict[int, int] = {}
         self.order_frozen = False
         self.pending: deque[PendingGradReduction] = deque()
-        self.pool = BufferPool()
-        self.transport: SharedMemoryTransport | None = None
+        self.transports: dict[int, Transport] = {}  # by id of the process group (see [Note: one transport per group])
         self.ledger: Ledger | None = None  # numbers the units' collectives (see [Note: collective identity])
         self.callback_queued = False
 
@@ -99,8 +97,8 @@ class RootContext:
         groups = [g for g in (self.root.shard_group, self.root.replicate_group) if g is not None and g.size() > 1]
         if groups:
             self._check_same_model(groups)
-            self.ledger = Ledger([unit.name for unit in self.units], groups)
-        self.transport = self._shared_memory_transport()
+            self.ledger = Ledger([unit.name for unit in self.units])
+        self._choose_transports()
 
     def _check_same_model(self, groups: list[ProcessGroup]) -> None:
         """One small collective per group (see ``fingerprint.py``): every rank must have built the same model."""
@@ -109,13 +107,24 @@ class RootContext:
         for group in groups:
             check_same_model(prints, group)
 
-    def _shared_memory_transport(self) -> SharedMemoryTransport | None:
-        """A collective over the shard group (this runs at the root's first forward, on every rank alike)."""
-        sharded = [unit for unit in self.units if unit.params and unit.world_size > 1]
-        on_cpu = all(p.unsharded_buffer.device.type == "cpu" for unit in sharded for p in unit.params)
-        if not sharded or not on_cpu:
-            return None
-        return SharedMemoryTransport.create(sharded[0].shard_group, max(u.collective_bytes() for u in sharded))
+    def _choose_transports(self) -> None:
+        """One transport per group the units communicate over, sized for the largest collective of each kind there
+        (a collective over the group: this runs at the root's first forward, on every rank alike)."""
+        needs: dict[int, dict[str, int]] = {}
+        for unit in self.units:
+            sent = unit.send_bytes()
+            shard = needs.setdefault(id(unit.shard_group), {})
+            for kind in ("all_gather", "reduce_scatter"):
+                shard[kind] = max(shard.get(kind, 0), sent.get(kind, 0))
+            replicate = needs.setdefault(id(unit.replicate_group), {})
+            replicate["all_reduce"] = max(replicate.get("all_reduce", 0), sent["all_reduce"])
+        root = self.root
+        for group in (root.shard_group, root.replicate_group):
+            if id(group) not in self.transports:
+                self.transports[id(group)] = choose_transport(group, root.compute_device(), needs[id(group)])
+
+    def transport_of(self, group: ProcessGroup | None) -> Transport:
+        return self.transports[id(group)]
 
     # ----- order and prefetch --------------------------------------------------------------------------------------
 
@@ -169,7 +178,8 @@ class RootContext:
         while self.pending:
             self.pending.popleft().finish()
         self.reshard_all()
-        self.pool.clear()  # between steps a rank holds its shards only
+        for transport in self.transports.values():
+            transport.end_step()  # between steps a rank holds its shards only
         self.order_frozen = True
         self.callback_queued = False
 

@@ -15,14 +15,12 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from lightning_fsdp.engine import collectives, shm
-from lightning_fsdp.engine.buffers import BufferPool
+from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, value_checksum
 from lightning_fsdp.engine.ledger import Stamp
 from lightning_fsdp.engine.options import ShardingOptions
 from lightning_fsdp.engine.param import FSDPParam
-
-_NO_POOL = BufferPool(retain=False)
+from lightning_fsdp.engine.transport import Pending, Transport, standalone_transport
 
 
 class ShardState(Enum):
@@ -50,15 +48,16 @@ class PendingGradReduction:
     """
 
     unit: FSDPUnit
-    pending: collectives.PendingReduceScatter | shm.PendingSharedReduceScatter
+    pending: Pending[torch.Tensor]
     had_grad: list[bool]
     divide_after: bool  # fp32 reductions divide the (W-times smaller) result; low precision divides first
 
     def finish(self) -> None:
         reduced = self.pending.wait()
-        replicate_group = self.unit.replicate_group
-        if replicate_group is not None and self.unit.params:  # HYBRID: sum the shard over the replicas too
-            collectives.all_reduce(reduced, replicate_group, replicate_group.size()).wait()
+        unit = self.unit
+        if unit.replicate_group is not None and unit.params:  # HYBRID: sum the shard over the replicas too
+            stamp = unit.stamp("all-reduce", reduced.numel(), reduced.dtype)
+            reduced = unit.replicate_transport().all_reduce([reduced], reduced.dtype, stamp).wait()
         if self.divide_after:  # an average over ranks, as DDP and the unsharded reference compute
             reduced.div_(self.unit.total_world_size)
         self.unit.accept_reduced_grads(reduced, self.had_grad)
@@ -96,7 +95,7 @@ class FSDPUnit:
         self.is_root = False
         self.in_forward = False  # between this unit's pre- and post-forward (backward may run in between)
         self.requires_grad_sync = True
-        self._pending_gather: collectives.PendingAllGather | shm.PendingSharedGather | None = None
+        self._pending_gather: Pending[list[torch.Tensor]] | None = None
         self.prefetched = False  # unsharded ahead of use; cleared when the unit is used
         self.context: Any = None  # the RootContext of the root this unit runs under, set at the root's lazy init
         self.grads_expected = 0  # trainable parameters, counted at pre-forward
@@ -106,28 +105,46 @@ class FSDPUnit:
         self.input_grads_pending = 0  # forwards of this step whose input gradients backward has yet to compute
         self.awaits_final_callback = False  # frozen parameters, no input needing a gradient: stage 6 finishes it
 
-    def pool(self) -> BufferPool:
-        """The root's pool of collective buffers (see [Note: why pool on CPU]); none before the first forward."""
-        return self.context.pool if self.context is not None else _NO_POOL
+    def transport(self) -> Transport:
+        """The transport of the shard group, chosen by the root (see [Note: one transport per group])."""
+        if self.context is not None:
+            return self.context.transport_of(self.shard_group)
+        return standalone_transport(self.shard_group, self.compute_device())  # before any root: state dicts
 
-    def transport(self) -> shm.SharedMemoryTransport | None:
-        """The root's shared-memory transport for the shard group, if its ranks share a host (see ``shm.py``)."""
-        return self.context.transport if self.context is not None else None
+    def replicate_transport(self) -> Transport:
+        """The transport of the replicate group (HYBRID_SHARD's replicas, NO_SHARD's ranks)."""
+        if self.context is not None:
+            return self.context.transport_of(self.replicate_group)
+        return standalone_transport(self.replicate_group, self.compute_device())
+
+    def compute_device(self) -> torch.device:
+        """Where forward and backward use this unit's parameters."""
+        if self.params:
+            return self.params[0].compute_device
+        return self.replicated[0].device if self.replicated else torch.device("cpu")
 
     def stamp(self, kind: str, numel: int, dtype: torch.dtype) -> Stamp | None:
         """The identity of this unit's next collective (see [Note: collective identity]); none before a root."""
         ledger = self.context.ledger if self.context is not None else None
         return ledger.stamp(kind, numel * dtype.itemsize, self.name) if ledger is not None else None
 
-    def collective_bytes(self) -> int:
-        """The largest send buffer this unit's collectives fill: its packed shards, or its reduced gradients."""
+    def send_bytes(self) -> dict[str, int]:
+        """The send buffer of each collective this unit issues, by kind: its packed shards (``all_gather``), its
+        gradients by rank (``reduce_scatter``), and the gradients summed over replicas (``all_reduce``)."""
+        mixed = self.options.mixed_precision
         if not self.params:
-            return 0
+            trainable = [p for p in self.replicated if p.requires_grad]
+            dtype = mixed.effective_reduce_dtype or (trainable[0].dtype if trainable else torch.float32)
+            return {"all_reduce": sum(p.numel() for p in trainable) * dtype.itemsize}
         shard_numel = sum(p.layout.shard_numel for p in self.params)
         trainable_numel = sum(p.layout.shard_numel for p in self.params if p.requires_grad)
-        param_dtype = self.options.mixed_precision.param_dtype or self.params[0].padded_shard.dtype
-        reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or param_dtype
-        return max(shard_numel * param_dtype.itemsize, self.world_size * trainable_numel * reduce_dtype.itemsize)
+        param_dtype = mixed.param_dtype or self.params[0].sharded.dtype
+        reduce_dtype = mixed.effective_reduce_dtype or param_dtype
+        return {
+            "all_gather": shard_numel * param_dtype.itemsize,
+            "reduce_scatter": self.world_size * trainable_numel * reduce_dtype.itemsize,
+            "all_reduce": trainable_numel * reduce_dtype.itemsize,
+        }
 
     def fingerprint(self, name_of: dict[int, str]) -> UnitPrint:
         """What this rank built for this unit; ``name_of`` names the replicated parameters (by id)."""
@@ -158,9 +175,7 @@ class FSDPUnit:
         dtype = self.options.mixed_precision.param_dtype or shards[0].dtype
         stamp = self.stamp("all-gather", sum(shard.numel() for shard in shards), dtype) if self.world_size > 1 else None
         with torch.no_grad():
-            self._pending_gather = collectives.all_gather_shards(
-                shards, self.shard_group, self.world_size, dtype, self.pool(), self.transport(), stamp
-            )
+            self._pending_gather = self.transport().all_gather(shards, dtype, stamp)
         self.shard_state = ShardState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
@@ -232,42 +247,33 @@ class FSDPUnit:
                 grad = fsdp_param.sharded.new_zeros(self.world_size, fsdp_param.layout.shard_numel)
             views.append(grad)
         reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or views[0].dtype
-        columns = sum(view.size(1) for view in views)
-        pool, transport = self.pool(), self.transport()
-        send, slot = collectives.reduce_scatter_send_buffer(
-            self.world_size, columns, reduce_dtype, views[0].device, pool, transport
-        )
-        with torch.no_grad():
-            torch.cat(views, dim=1, out=send)  # the cast to reduce_dtype, if any, is the packing copy
-            divide_after = self._divide_before_reducing(send)
+        numel = self.world_size * sum(view.size(1) for view in views)
+        stamp = self.stamp("reduce-scatter", numel, reduce_dtype) if self.world_size > 1 else None
+        divide_by = self._divide_before_reducing(reduce_dtype)
+        with torch.no_grad():  # the cast to reduce_dtype, if any, is the transport's packing copy
+            pending = self.transport().reduce_scatter(views, reduce_dtype, stamp, divide_by)
         for fsdp_param in trainable:
             fsdp_param.unsharded.grad = None
-        shared = (transport, slot) if transport is not None and slot is not None else None
-        stamp = self.stamp("reduce-scatter", send.numel(), send.dtype) if self.world_size > 1 else None
-        pending = collectives.reduce_scatter(send, self.shard_group, self.world_size, pool, shared, stamp)
-        return PendingGradReduction(self, pending, had_grad, divide_after)
+        return PendingGradReduction(self, pending, had_grad, divide_by is None)
 
     def _all_reduce_grads(self) -> PendingGradReduction | None:
         trainable = [p for p in self.replicated if p.requires_grad]
         if not trainable:
             return None
         had_grad = [param.grad is not None for param in trainable]
-        reduce_dtype = self.options.mixed_precision.effective_reduce_dtype
+        reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or trainable[0].dtype
+        grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in trainable]
+        numel = sum(grad.numel() for grad in grads)
+        stamp = self.stamp("all-reduce", numel, reduce_dtype) if self.total_world_size > 1 else None
+        divide_by = self._divide_before_reducing(reduce_dtype)
         with torch.no_grad():
-            flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in trainable])
-            if reduce_dtype is not None and flat.dtype != reduce_dtype:
-                flat = flat.to(reduce_dtype)
-            divide_after = self._divide_before_reducing(flat)
-        stamp = self.stamp("all-reduce", flat.numel(), flat.dtype) if self.total_world_size > 1 else None
-        pending = collectives.all_reduce(flat, self.replicate_group, self.total_world_size, stamp)
-        return PendingGradReduction(self, pending, had_grad, divide_after)
+            pending = self.replicate_transport().all_reduce(grads, reduce_dtype, stamp, divide_by)
+        return PendingGradReduction(self, pending, had_grad, divide_by is None)
 
-    def _divide_before_reducing(self, send: torch.Tensor) -> bool:
-        """Low precision divides by the ranks first, so the sum cannot overflow; fp32 divides the result after."""
-        if send.dtype in (torch.float16, torch.bfloat16):
-            send.div_(self.total_world_size)
-            return False
-        return True
+    def _divide_before_reducing(self, dtype: torch.dtype) -> int | None:
+        """Low precision divides by the ranks first, so the sum cannot overflow (the divisor); fp32 divides the
+        result after (None)."""
+        return self.total_world_size if dtype in (torch.float16, torch.bfloat16) else None
 
     def accept_reduced_grads(self, reduced: torch.Tensor, had_grad: list[bool]) -> None:
         """Hand each trainable parameter that had a gradient its slice of the reduced buffer (views: no copy)."""

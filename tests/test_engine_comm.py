@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -90,6 +91,41 @@ def _check_counts(rank: int, world_size: int, shared_memory: bool) -> None:
                 assert moved_bytes == nbytes, f"[{label}] bytes {moved_bytes} != {nbytes}"
                 sizes = {e.group_size for e in counter.events}
                 assert sizes == {world_size}, f"[{label}] collectives ran on groups of sizes {sizes}"
+    _check_labels_and_log_lines(world_size, shared_memory, batch)
+
+
+PHASES = {
+    "lightning_fsdp.unshard",
+    "lightning_fsdp.wait_unshard",
+    "lightning_fsdp.reshard",
+    "lightning_fsdp.reduce_grads",
+    "lightning_fsdp.wait_reduce",
+}
+
+
+def _check_labels_and_log_lines(world_size: int, shared_memory: bool, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A profile names the engine's phases; the root logs its transport (and why) and one debug line."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    engine_log = logging.getLogger("lightning_fsdp.engine")
+    engine_log.addHandler(handler)
+    engine_log.setLevel(logging.DEBUG)
+    torch.manual_seed(0)
+    model = fully_shard(GPT(TINY_GPT), {Block})
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        model(*batch).backward()
+    engine_log.removeHandler(handler)
+    names = {event.name for event in profile.events()}
+    assert PHASES <= names, f"missing profiler labels: {PHASES - names}"
+    lines = [record.getMessage() for record in records]
+    name = "shared memory" if shared_memory else "gloo"
+    reason = "every rank maps" if shared_memory else "switched off (LIGHTNING_FSDP_SHARED_MEMORY=0)"
+    chosen = [line for line in lines if "transport over" in line]
+    assert len(chosen) == 1 and f"{name} transport over {world_size} ranks" in chosen[0] and reason in chosen[0], lines
+    roots = [line for line in lines if line.startswith("lightning_fsdp: root GPT")]
+    units = f"{TINY_GPT.n_layer + 1} units"
+    assert len(roots) == 1 and units in roots[0] and f"{name} x{world_size}" in roots[0], lines
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "gloo"])

@@ -46,6 +46,7 @@ every parameter trainable keep the count alone, so their reductions start as ear
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Any
 
@@ -61,6 +62,8 @@ from lightning_fsdp.engine.options import BackwardPrefetch
 from lightning_fsdp.engine.registry import units_under
 from lightning_fsdp.engine.transport import Transport, choose_transport
 from lightning_fsdp.engine.unit import FSDPUnit, PendingGradReduction, ShardState, TrainingState
+
+log = logging.getLogger(__name__)
 
 # At most this many units gathered ahead of their use (the rate limiter of ``limit_all_gathers``).
 MAX_PREFETCHED_UNITS = 2
@@ -99,6 +102,8 @@ class RootContext:
             self._check_same_model(groups)
             self.ledger = Ledger([unit.name for unit in self.units])
         self._choose_transports()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("lightning_fsdp: %s", self.describe())
 
     def _check_same_model(self, groups: list[ProcessGroup]) -> None:
         """One small collective per group (see ``fingerprint.py``): every rank must have built the same model."""
@@ -122,6 +127,19 @@ class RootContext:
         for group in (root.shard_group, root.replicate_group):
             if id(group) not in self.transports:
                 self.transports[id(group)] = choose_transport(group, root.compute_device(), needs[id(group)])
+
+    def describe(self) -> str:
+        """One line on this root: its units, the largest send buffer of each collective, the transports."""
+        largest: dict[str, int] = {}
+        for unit in self.units:
+            for kind, nbytes in unit.send_bytes().items():
+                largest[kind] = max(largest.get(kind, 0), nbytes)
+        sizes = ", ".join(f"{kind} {nbytes / 2**20:.2f} MiB" for kind, nbytes in sorted(largest.items()) if nbytes)
+        transports = ", ".join(f"{t.name} x{t.world_size}" for t in self.transports.values())
+        return (
+            f"root {type(self.root.module).__name__}: {len(self.units)} units, largest send buffer per collective "
+            f"({sizes or 'none'}), transports: {transports}"
+        )
 
     def transport_of(self, group: ProcessGroup | None) -> Transport:
         return self.transports[id(group)]

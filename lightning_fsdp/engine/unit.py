@@ -3,6 +3,14 @@
 A unit issues exactly one collective per transition (one all-gather to unshard, one reduce-scatter or all-reduce
 to reduce gradients) over a flat buffer packed from all its parameters, as the FSDP paper's FlatParameter does,
 while each parameter keeps its own name, shape and dim-0 shard (see ``param.py``).
+
+[Note: profiler labels] Every transition that does work runs under a ``torch.profiler.record_function`` label, so a
+profile (and a CUDA trace) shows the engine's phases by name: ``lightning_fsdp.unshard`` (pack and issue the
+all-gather), ``lightning_fsdp.wait_unshard`` (wait, copy out, register the full parameters),
+``lightning_fsdp.reshard``, ``lightning_fsdp.reduce_grads`` (pack and issue the reduction) and
+``lightning_fsdp.wait_reduce`` (wait, accumulate into the sharded ``.grad``). Tools rely on these exact names. They
+are only reached from the runtime hooks, which torch.compile leaves out of its graphs (see [Note: hooks stay out of
+compiled graphs] in ``hooks.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.profiler import record_function
 
 from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, value_checksum
@@ -53,14 +62,15 @@ class PendingGradReduction:
     divide_after: bool  # fp32 reductions divide the (W-times smaller) result; low precision divides first
 
     def finish(self) -> None:
-        reduced = self.pending.wait()
-        unit = self.unit
-        if unit.replicate_group is not None and unit.params:  # HYBRID: sum the shard over the replicas too
-            stamp = unit.stamp("all-reduce", reduced.numel(), reduced.dtype)
-            reduced = unit.replicate_transport().all_reduce([reduced], reduced.dtype, stamp).wait()
-        if self.divide_after:  # an average over ranks, as DDP and the unsharded reference compute
-            reduced.div_(self.unit.total_world_size)
-        self.unit.accept_reduced_grads(reduced, self.had_grad)
+        with record_function("lightning_fsdp.wait_reduce"):
+            reduced = self.pending.wait()
+            unit = self.unit
+            if unit.replicate_group is not None and unit.params:  # HYBRID: sum the shard over the replicas too
+                stamp = unit.stamp("all-reduce", reduced.numel(), reduced.dtype)
+                reduced = unit.replicate_transport().all_reduce([reduced], reduced.dtype, stamp).wait()
+            if self.divide_after:  # an average over ranks, as DDP and the unsharded reference compute
+                reduced.div_(self.unit.total_world_size)
+            self.unit.accept_reduced_grads(reduced, self.had_grad)
 
 
 class FSDPUnit:
@@ -169,12 +179,13 @@ class FSDPUnit:
         if self.is_whole:
             self.shard_state = ShardState.UNSHARDED  # the registered parameters are the full ones already
             return
-        for fsdp_param in self.params:
-            fsdp_param.alloc_unsharded()
-        shards = [fsdp_param.padded_shard for fsdp_param in self.params]
-        dtype = self.options.mixed_precision.param_dtype or shards[0].dtype
-        stamp = self.stamp("all-gather", sum(shard.numel() for shard in shards), dtype) if self.world_size > 1 else None
-        with torch.no_grad():
+        with record_function("lightning_fsdp.unshard"), torch.no_grad():
+            for fsdp_param in self.params:
+                fsdp_param.alloc_unsharded()
+            shards = [fsdp_param.padded_shard for fsdp_param in self.params]
+            dtype = self.options.mixed_precision.param_dtype or shards[0].dtype
+            numel = sum(shard.numel() for shard in shards)
+            stamp = self.stamp("all-gather", numel, dtype) if self.world_size > 1 else None
             self._pending_gather = self.transport().all_gather(shards, dtype, stamp)
         self.shard_state = ShardState.UNSHARDING
 
@@ -186,15 +197,15 @@ class FSDPUnit:
             return
         assert self._pending_gather is not None
         pending, self._pending_gather = self._pending_gather, None
-        with torch.no_grad():
+        with record_function("lightning_fsdp.wait_unshard"), torch.no_grad():
             collectives.unpack_all_gather(
                 pending.wait(),
                 [fsdp_param.layout.shard_numel for fsdp_param in self.params],
                 [fsdp_param.unsharded_buffer for fsdp_param in self.params],
             )
-        pending.release()
-        for fsdp_param in self.params:
-            fsdp_param.register_unsharded()
+            pending.release()
+            for fsdp_param in self.params:
+                fsdp_param.register_unsharded()
         self.shard_state = ShardState.UNSHARDED
 
     def reshard(self) -> None:
@@ -205,9 +216,10 @@ class FSDPUnit:
             self.wait_for_unshard()  # never free memory a collective is still writing into
         if self.shard_state is ShardState.SHARDED:
             return
-        for fsdp_param in self.params:
-            fsdp_param.register_sharded()
-            fsdp_param.free_unsharded()
+        with record_function("lightning_fsdp.reshard"):
+            for fsdp_param in self.params:
+                fsdp_param.register_sharded()
+                fsdp_param.free_unsharded()
         self.shard_state = ShardState.SHARDED
         self.prefetched = False
 
@@ -231,9 +243,10 @@ class FSDPUnit:
         """Launch the one gradient collective of this unit; frozen parameters take no part in it."""
         if self.is_whole:  # the gradients autograd accumulated are the final ones
             return None
-        if self.params:
-            return self._reduce_scatter_grads()
-        return self._all_reduce_grads()
+        with record_function("lightning_fsdp.reduce_grads"):
+            if self.params:
+                return self._reduce_scatter_grads()
+            return self._all_reduce_grads()
 
     def _reduce_scatter_grads(self) -> PendingGradReduction | None:
         trainable = [p for p in self.params if p.requires_grad]

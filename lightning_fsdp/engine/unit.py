@@ -15,6 +15,7 @@ compiled graphs] in ``hooks.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any
@@ -114,6 +115,119 @@ class FSDPUnit:
         # See [Note: post-backward of partly frozen units] in hooks.py.
         self.input_grads_pending = 0  # forwards of this step whose input gradients backward has yet to compute
         self.awaits_final_callback = False  # frozen parameters, no input needing a gradient: stage 6 finishes it
+
+    # ----- the state machine: every change of the fields above goes through these methods ------------------------
+
+    def _expect(self, transition: str, *states: TrainingState) -> None:
+        if self.training_state not in states:
+            raise RuntimeError(
+                f"{self!r} (unit '{self.name}') cannot {transition} while {self.training_state.name}: the engine's "
+                "hooks ran out of order. Please report this with the model that triggers it."
+            )
+
+    def claim(self, context: Any, name: str, is_root: bool) -> None:
+        """The root whose lazy init found this unit runs it from now on; ``name`` is its path under that root."""
+        self.context, self.name, self.is_root = context, name, is_root
+
+    def leave_root(self) -> None:
+        """A later ``fully_shard`` call above this unit made a new root, which claims it at its first forward."""
+        self.context, self.is_root = None, False
+
+    def set_requires_grad_sync(self, requires_grad_sync: bool) -> None:
+        self.requires_grad_sync = requires_grad_sync
+
+    def begin_forward(self, records_grads: bool) -> None:
+        """Stage 2 starts (not a recomputation: the caller checked ``is_recomputing``)."""
+        self.training_state = TrainingState.FORWARD
+        self.in_forward = True
+        if records_grads:
+            self.grads_expected = self.num_trainable()
+
+    def end_forward(self) -> None:
+        """Stage 3: the unit's forward returned."""
+        self._expect("end its forward", TrainingState.FORWARD)
+        self.training_state = TrainingState.IDLE
+        self.in_forward = False
+
+    @property
+    def is_recomputing(self) -> bool:
+        """A forward while backward is inside this unit: activation checkpointing recomputes it."""
+        return self.training_state is TrainingState.PRE_BACKWARD
+
+    def prefetch(self) -> None:
+        """Start the gather ahead of use; the rate limiter counts the unit until ``use`` or ``reshard``."""
+        if self.shard_state is ShardState.SHARDED:
+            self.unshard()
+            self.prefetched = True
+
+    def use(self) -> None:
+        """Wait for the full parameters this unit's forward or backward is about to read."""
+        self.wait_for_unshard()
+        self.prefetched = False
+
+    def hook_trainable_params(self, on_grad: Callable[[nn.Parameter], None]) -> None:
+        """Hook each parameter the first time it is trainable (frozen ones cannot be hooked; they may thaw later)."""
+        if len(self.hooked_params) == self.grads_expected:
+            return
+        for param in self.grad_params():
+            if param.requires_grad and id(param) not in self.hooked_params:
+                param.register_post_accumulate_grad_hook(on_grad)
+                self.hooked_params.add(id(param))
+
+    def expect_input_grads(self, any_input_needs_grad: bool) -> None:
+        """See [Note: post-backward of partly frozen units] in ``hooks.py``: wait for the gradients of this forward's
+        inputs too, or, when none needs one, for the final callback."""
+        if any_input_needs_grad:
+            self.input_grads_pending += 1
+        else:
+            self.awaits_final_callback = True
+
+    def input_grads_arrived(self) -> None:
+        self.input_grads_pending = max(self.input_grads_pending - 1, 0)
+
+    def grad_accumulated(self) -> None:
+        self.grads_seen += 1
+
+    def begin_backward(self) -> bool:
+        """Stage 4: backward reached the unit's outputs. False when it had already (several outputs, one backward)."""
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return False
+        self.training_state = TrainingState.PRE_BACKWARD
+        return True
+
+    @property
+    def backward_complete(self) -> bool:
+        """Every gradient this unit's backward computes is in (see the notes on post-backward in ``hooks.py``)."""
+        complete = self.grads_seen >= self.grads_expected and self.input_grads_pending == 0
+        return complete and not self.awaits_final_callback and self.training_state is not TrainingState.POST_BACKWARD
+
+    @property
+    def backward_unfinished(self) -> bool:
+        """Backward reached the unit but stage 5 has not run (the final callback finishes it)."""
+        reached = self.training_state is TrainingState.PRE_BACKWARD or self.grads_seen > 0
+        return reached and self.training_state is not TrainingState.POST_BACKWARD
+
+    def finish_backward(self) -> PendingGradReduction | None:
+        """Stage 5: launch the gradient reduction (unless sync is off), reshard, and say so."""
+        self._expect("finish its backward", TrainingState.IDLE, TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
+        reduction = self.reduce_grads() if self.requires_grad_sync else None
+        if not self.in_forward:  # see [Note: backward inside a forward] in hooks.py
+            self.reshard()
+        self.training_state = TrainingState.POST_BACKWARD
+        return reduction
+
+    def end_step(self) -> None:
+        """Stage 6, once every reduction is finished: back to the state a forward starts from."""
+        self.grads_seen = 0
+        self.input_grads_pending = 0
+        self.awaits_final_callback = False
+        if self.in_forward:  # see [Note: backward inside a forward] in hooks.py
+            self.training_state = TrainingState.FORWARD
+            return
+        self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    # ----- transports -------------------------------------------------------------------------------------------
 
     def transport(self) -> Transport:
         """The transport of the shard group, chosen by the root (see [Note: one transport per group])."""

@@ -2,14 +2,16 @@
 
 Importing the package registers the strategy names ``"myfsdp"``, ``"myfsdp_shard_grad_op"`` and
 ``"myfsdp_cpu_offload"`` with Lightning's Trainer and with Fabric, so ``Trainer(strategy="myfsdp")`` and
-``Fabric(strategy="myfsdp")`` work after ``import lightning_fsdp``.
+``Fabric(strategy="myfsdp")`` work after ``import lightning_fsdp``. It does so without importing Lightning itself
+(see ``registration.py``): the engine, ``lightning_fsdp.engine``, needs torch only, and what needs Lightning here
+(the strategies, the precision plugins, the EMA callback) is imported on first use.
 """
 
-from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from lightning_fsdp.averaging import ShardedEMA
-from lightning_fsdp.checkpoint.pretrained import load_pretrained
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lightning_fsdp.engine import (
     BackwardPrefetch,
     MixedPrecision,
@@ -23,13 +25,36 @@ from lightning_fsdp.engine import (
     size_based_policy,
     summon_full_params,
 )
-from lightning_fsdp.estimate import estimate_memory
-from lightning_fsdp.fabric import FabricFSDPPrecision, FabricFSDPStrategy
-from lightning_fsdp.precision import FSDPPrecision, ShardedGradScaler
-from lightning_fsdp.strategy import FSDPStrategy
+from lightning_fsdp.registration import register_when_lightning_loads
 
-FSDPStrategy.register_strategies(StrategyRegistry)
-FabricFSDPStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+if TYPE_CHECKING:
+    from lightning_fsdp.averaging import ShardedEMA
+    from lightning_fsdp.checkpoint.pretrained import load_pretrained
+    from lightning_fsdp.estimate import estimate_memory
+    from lightning_fsdp.fabric import FabricFSDPPrecision, FabricFSDPStrategy
+    from lightning_fsdp.precision import FSDPPrecision, ShardedGradScaler
+    from lightning_fsdp.strategy import FSDPStrategy
+
+# Exports whose modules import Lightning: loaded when first asked for.
+_LAZY = {
+    "FabricFSDPPrecision": "lightning_fsdp.fabric",
+    "FabricFSDPStrategy": "lightning_fsdp.fabric",
+    "FSDPPrecision": "lightning_fsdp.precision",
+    "FSDPStrategy": "lightning_fsdp.strategy",
+    "ShardedEMA": "lightning_fsdp.averaging",
+    "ShardedGradScaler": "lightning_fsdp.precision",
+    "estimate_memory": "lightning_fsdp.estimate",
+    "load_pretrained": "lightning_fsdp.checkpoint.pretrained",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_fsdp' has no attribute {name!r}")
+
+
+register_when_lightning_loads()
 
 __all__ = [
     "BackwardPrefetch",

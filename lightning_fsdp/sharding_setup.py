@@ -24,8 +24,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_fsdp.engine import MixedPrecision, apply_activation_checkpointing, fully_shard
-from lightning_fsdp.engine.options import parse_cpu_offload
-from lightning_fsdp.engine.policies import as_wrap_policy, repeated_block_class, select_unit_modules
+from lightning_fsdp.engine.options import (
+    ShardingStrategy,
+    parse_backward_prefetch,
+    parse_cpu_offload,
+    parse_sharding_strategy,
+)
+from lightning_fsdp.engine.policies import as_wrap_policy, module_classes, repeated_block_class, select_unit_modules
 from lightning_fsdp.engine.registry import unit_of
 from lightning_fsdp.lightning_arguments import activation_checkpointing_alias, split_ignored
 
@@ -37,10 +42,8 @@ WrapPolicy = Callable[[nn.Module, bool, int], bool]
 Policy = Iterable[str | type[nn.Module]] | str | type[nn.Module] | WrapPolicy | None
 ShardingName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
 
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+HYBRID_STRATEGIES = tuple(s.value for s in ShardingStrategy if s.is_hybrid)
 WHOLE_MODEL = "whole_model"  # auto_wrap_policy: the whole model as one unit, on purpose
-BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST")
 STATE_DICT_TYPES = ("full", "sharded")
 
 
@@ -88,10 +91,9 @@ class ShardedModelSetup(ABC):
         if timeout is not None and not isinstance(timeout, timedelta):
             raise ValueError(f"timeout must be a datetime.timedelta (or None for torch's default), got {timeout!r}.")
         self._timeout = timeout
-        self.sharding_strategy = choice("sharding_strategy", sharding_strategy, SHARDING_STRATEGIES)
-        self.backward_prefetch = (
-            None if backward_prefetch is None else choice("backward_prefetch", backward_prefetch, BACKWARD_PREFETCH)
-        )
+        self.sharding_strategy: str = parse_sharding_strategy(sharding_strategy).value
+        prefetch = parse_backward_prefetch(backward_prefetch)
+        self.backward_prefetch = None if prefetch is None else prefetch.value
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not supported; use 'full' or 'sharded'.")
         self.state_dict_type = state_dict_type
@@ -246,24 +248,16 @@ _REPORTED_DEFAULTS: set[tuple[type[nn.Module], type[nn.Module] | None]] = set()
 
 
 def resolve_policy(policy: Policy, argument: str) -> WrapPolicy | set[type[nn.Module]] | str | None:
-    """A policy as the engine takes it: None, a callable, or a set of module classes (strings imported)."""
-    if isinstance(policy, nn.Module):
-        raise ValueError(f"{argument} holds a {type(policy).__name__} instance; pass its class (or import path).")
-    if policy is None or policy == WHOLE_MODEL or (callable(policy) and not isinstance(policy, type)):
+    """A policy as the engine takes it: None, a callable, or a set of module classes. Lightning's forms are adapted
+    here (import paths from a config, ``WHOLE_MODEL``); the engine validates the rest (``module_classes``)."""
+    if policy == WHOLE_MODEL:
         return policy
-    items = [policy] if isinstance(policy, str | type) else policy
-    if not isinstance(items, Iterable):
-        raise ValueError(
-            f"{argument}={policy!r} is not a policy; pass a set of module classes (or their import paths), a callable "
-            "(module, recurse, nonwrapped_numel) -> bool, or None."
-        )
-    classes = {_import_class(item, argument) if isinstance(item, str) else item for item in items}
-    if not classes:
-        raise ValueError(f"{argument} is an empty set; name the model's repeated blocks, or pass None.")
-    for cls in classes:
-        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise ValueError(f"{argument} holds {cls!r}, which is not an nn.Module class; list module classes only.")
-    return classes
+    if isinstance(policy, str):
+        policy = [policy]
+    if isinstance(policy, Iterable) and not isinstance(policy, nn.Module | type):
+        policy = [_import_class(item, argument) if isinstance(item, str) else item for item in policy]
+    classes = module_classes(policy, argument)
+    return policy if classes is None else classes
 
 
 def _import_class(path: str, argument: str) -> Any:
@@ -275,13 +269,6 @@ def _import_class(path: str, argument: str) -> Any:
             f"{argument} names {path!r}, which does not import ({error}); give the full import path of an nn.Module "
             "class, such as 'lightning_fsdp.demos.gpt.Block'."
         ) from None
-
-
-def choice(argument: str, value: object, choices: tuple[str, ...]) -> str:
-    name = value.name if isinstance(value, Enum) else value
-    if isinstance(name, str) and name.upper() in choices:
-        return name.upper()
-    raise ValueError(f"{argument}={value!r} is not supported; use one of {', '.join(map(repr, choices))}.")
 
 
 def flag(argument: str, value: object) -> bool:

@@ -1,14 +1,19 @@
-"""The stateless collectives and the shard layout, tested without a model."""
+"""Every transport's collectives, the stateless copies around them and the shard layout, tested without a model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.buffers import BufferPool
+from lightning_fsdp.engine.gloo import GlooTransport
+from lightning_fsdp.engine.ledger import CollectiveMismatchError, Ledger
+from lightning_fsdp.engine.nccl import NcclTransport
 from lightning_fsdp.engine.param import ShardLayout
 from lightning_fsdp.engine.shm import SharedMemoryTransport
+from lightning_fsdp.engine.transport import SingleRank, Transport, standalone_transport
 from tests.distributed import run_distributed
 
 # (rows, row shape): divisible, not divisible, fewer rows than ranks, a 0-dim tensor.
@@ -30,8 +35,19 @@ def test_layout_gives_every_row_to_exactly_one_rank(world_size: int, rows: int) 
     assert {layout.shard_numel for layout in layouts} == {-(-rows // world_size) * 2}, "equal-sized shards"
 
 
+def _transports(group: dist.ProcessGroup) -> dict[str, Transport]:
+    """Every transport a CPU group can run: NCCL's data path runs on gloo without side streams (see ``nccl.py``)."""
+    shared, reason = SharedMemoryTransport.create(group, {"all_gather": 4096, "reduce_scatter": 4096})
+    assert shared is not None, f"ranks of one host share memory, but: {reason}"
+    return {
+        "gloo": GlooTransport(group),
+        "shared memory": shared,
+        "nccl data path": NcclTransport(group, torch.device("cpu")),
+    }
+
+
 def _check_gather_and_reduce(rank: int, world_size: int) -> None:
-    group = torch.distributed.group.WORLD
+    group = dist.group.WORLD
     fulls = [_full(i, world_size) for i in range(len(SHAPES))]
     layouts = [ShardLayout.for_shape(full.shape, rank, world_size) for full in fulls]
     shards = []
@@ -42,44 +58,53 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
         ]
         padded[: local.numel()] = local
         shards.append(padded)
-    needed = world_size * sum(layout.shard_numel for layout in layouts) * 4
-    shared_memory = SharedMemoryTransport.create(group, needed)
-    assert shared_memory is not None, "ranks of one host share memory"
-    for transport in (None, shared_memory):
-        label = "gloo" if transport is None else "shared memory"
-        # All-gather then unpack: every rank ends with every full tensor.
-        pool = BufferPool()
-        pending = collectives.all_gather_shards(shards, group, world_size, torch.float32, pool, transport)
-        blocks = pending.wait()
-        assert [block.numel() for block in blocks] == [sum(layout.shard_numel for layout in layouts)] * world_size
-        dests = [torch.full((layout.padded_numel,), -1.0) for layout in layouts]
-        collectives.unpack_all_gather(blocks, [layout.shard_numel for layout in layouts], dests)
-        pending.release()
-        for full, dest in zip(fulls, dests, strict=True):
-            assert torch.equal(dest[: full.numel()].view(full.shape), full), label
-        # Reduce-scatter: rank r contributes (r + 1) * full; every rank keeps its rows of the sum.
-        by_rank = []
-        for full, layout in zip(fulls, layouts, strict=True):
-            padded = torch.zeros(layout.padded_numel)
-            padded[: full.numel()] = full.reshape(-1) * (rank + 1)
-            by_rank.append(padded.view(world_size, layout.shard_numel))
-        columns = sum(view.size(1) for view in by_rank)
-        send, slot = collectives.reduce_scatter_send_buffer(
-            world_size, columns, torch.float32, torch.device("cpu"), pool, transport
-        )
-        assert (slot is not None) == (transport is not None), label
-        torch.cat(by_rank, dim=1, out=send)
-        shared = (transport, slot) if transport is not None and slot is not None else None
-        reduced = collectives.reduce_scatter(send, group, world_size, pool, shared).wait()
-        scale = world_size * (world_size + 1) / 2
-        offset = 0
-        for shard, layout in zip(shards, layouts, strict=True):
-            assert torch.equal(reduced[offset : offset + layout.shard_numel], shard * scale), label
-            offset += layout.shard_numel
-    # All-reduce, in place.
-    scale = world_size * (world_size + 1) / 2
-    flat = torch.full((5,), float(rank))
-    assert torch.equal(collectives.all_reduce(flat, group, world_size).wait(), torch.full((5,), scale - world_size))
+    ledger = Ledger(["unit"])
+    for label, transport in _transports(group).items():
+        for stamp in (None, ledger.stamp("all-gather", 1, "unit")):
+            case = f"{label}, {'stamped' if stamp else 'unstamped'}"
+            # All-gather then unpack: every rank ends with every full tensor, in fp32 and cast to bf16.
+            for dtype in (torch.float32, torch.bfloat16):
+                pending = transport.all_gather(shards, dtype, stamp)
+                blocks = pending.wait()
+                assert [b.numel() for b in blocks] == [sum(lay.shard_numel for lay in layouts)] * world_size, case
+                assert {b.dtype for b in blocks} == {dtype}, case
+                dests = [torch.full((layout.padded_numel,), -1.0, dtype=dtype) for layout in layouts]
+                collectives.unpack_all_gather(blocks, [layout.shard_numel for layout in layouts], dests)
+                pending.release()
+                for full, dest in zip(fulls, dests, strict=True):
+                    assert torch.equal(dest[: full.numel()].view(full.shape), full.to(dtype)), case
+            # Reduce-scatter: rank r contributes (r + 1) * full; every rank keeps its rows of the sum.
+            by_rank = []
+            for full, layout in zip(fulls, layouts, strict=True):
+                padded = torch.zeros(layout.padded_numel)
+                padded[: full.numel()] = full.reshape(-1) * (rank + 1)
+                by_rank.append(padded.view(world_size, layout.shard_numel))
+            scale = world_size * (world_size + 1) / 2
+            for divide_by in (None, 2):
+                reduced = transport.reduce_scatter(by_rank, torch.float32, stamp, divide_by).wait()
+                offset = 0
+                for shard, layout in zip(shards, layouts, strict=True):
+                    expected = shard * scale / (divide_by or 1)
+                    assert torch.equal(reduced[offset : offset + layout.shard_numel], expected), case
+                    offset += layout.shard_numel
+                assert offset == reduced.numel(), case
+            # All-reduce of packed flat tensors into a tensor of its own.
+            flats = [torch.full((5,), float(rank)), torch.full((3,), 1.0)]
+            summed = transport.all_reduce(flats, torch.float32, stamp).wait()
+            expected = torch.cat([torch.full((5,), scale - world_size), torch.full((3,), float(world_size))])
+            assert torch.equal(summed, expected), case
+            assert summed.data_ptr() not in {flat.data_ptr() for flat in flats}, case
+        transport.end_step()  # the NCCL transport checks its stamps here
+        # Ranks in different collectives of equal size: named after the wait, or at the end of the step.
+        mismatched = Ledger(["unit", "other"]).stamp("all-gather", 1, "unit" if rank == 0 else "other")
+        with pytest.raises(CollectiveMismatchError, match=r"rank \d is in the all-gather #1 of unit '(unit|other)'"):
+            transport.all_gather(shards, torch.float32, mismatched).wait()
+            transport.end_step()
+        with pytest.raises(CollectiveMismatchError, match=r"rank \d is in the all-gather #1 of unit '(unit|other)'"):
+            transport.all_reduce([torch.ones(3)], torch.float32, mismatched).wait()
+            transport.end_step()
+    assert isinstance(standalone_transport(group, torch.device("cpu")), GlooTransport)
+    assert isinstance(standalone_transport(None, torch.device("cpu")), SingleRank)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

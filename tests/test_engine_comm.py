@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -12,17 +13,25 @@ from lightning_fsdp import fully_shard
 from lightning_fsdp.demos.gpt import GPT, Block
 from lightning_fsdp.engine import shm
 from lightning_fsdp.engine.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.ledger import DIGEST_BITS, STAMP_BYTES
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT, data_moving, initialize, reduce_scatter_kind
 
 FP32 = 4
+# Bytes a gloo collective sends beyond its data (see [Note: stamps in the frames] in lightning_fsdp/engine/gloo.py):
+# a stamp per frame; a summing collective carries digest bits in the data's dtype instead.
+FRAME_OVERHEAD = {
+    "all_gather": lambda world_size: STAMP_BYTES,
+    "all_to_all": lambda world_size: world_size * STAMP_BYTES,
+    "all_reduce": lambda world_size: DIGEST_BITS * FP32,
+}
 
 
 def _unit_shard_numels(model: GPT, world_size: int) -> list[int]:
     """Per unit (blocks in order, then the root), the padded elements one rank packs: sum of ceil(rows/W) rows.
 
     Over gloo alone the reduce-scatter is an all-to-all of the (W, shard_sum) gradient buffer plus a local sum
-    (see [Note: reduce-scatter on gloo] in ``collectives.py``), so it is counted as "all_to_all"; through shared
+    (see [Note: reduce-scatter on gloo] in ``gloo.py``), so it is counted as "all_to_all"; through shared
     memory it is counted as the reduce-scatter it is, with the same send buffer.
     """
 
@@ -65,6 +74,10 @@ def _check_counts(rank: int, world_size: int, shared_memory: bool) -> None:
         ),
         "NO_SHARD": ({"all_reduce": units}, {"all_reduce": sum(p.numel() for p in GPT(TINY_GPT).parameters()) * FP32}),
     }
+    if not shared_memory:  # over gloo every rank's part of a collective ends with the collective's stamp
+        for counts, nbytes in expected.values():
+            for kind, calls in counts.items():
+                nbytes[kind] += calls * FRAME_OVERHEAD[kind](world_size)
     for strategy, (counts, nbytes) in expected.items():
         for prefetch in ("BACKWARD_PRE", "BACKWARD_POST", None):
             torch.manual_seed(0)
@@ -78,6 +91,41 @@ def _check_counts(rank: int, world_size: int, shared_memory: bool) -> None:
                 assert moved_bytes == nbytes, f"[{label}] bytes {moved_bytes} != {nbytes}"
                 sizes = {e.group_size for e in counter.events}
                 assert sizes == {world_size}, f"[{label}] collectives ran on groups of sizes {sizes}"
+    _check_labels_and_log_lines(world_size, shared_memory, batch)
+
+
+PHASES = {
+    "lightning_fsdp.unshard",
+    "lightning_fsdp.wait_unshard",
+    "lightning_fsdp.reshard",
+    "lightning_fsdp.reduce_grads",
+    "lightning_fsdp.wait_reduce",
+}
+
+
+def _check_labels_and_log_lines(world_size: int, shared_memory: bool, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A profile names the engine's phases; the root logs its transport (and why) and one debug line."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    engine_log = logging.getLogger("lightning_fsdp.engine")
+    engine_log.addHandler(handler)
+    engine_log.setLevel(logging.DEBUG)
+    torch.manual_seed(0)
+    model = fully_shard(GPT(TINY_GPT), {Block})
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        model(*batch).backward()
+    engine_log.removeHandler(handler)
+    names = {event.name for event in profile.events()}
+    assert PHASES <= names, f"missing profiler labels: {PHASES - names}"
+    lines = [record.getMessage() for record in records]
+    name = "shared memory" if shared_memory else "gloo"
+    reason = "every rank maps" if shared_memory else "switched off (LIGHTNING_FSDP_SHARED_MEMORY=0)"
+    chosen = [line for line in lines if "transport over" in line]
+    assert len(chosen) == 1 and f"{name} transport over {world_size} ranks" in chosen[0] and reason in chosen[0], lines
+    roots = [line for line in lines if line.startswith("lightning_fsdp: root GPT")]
+    units = f"{TINY_GPT.n_layer + 1} units"
+    assert len(roots) == 1 and units in roots[0] and f"{name} x{world_size}" in roots[0], lines
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "gloo"])

@@ -38,7 +38,7 @@ def single_rank_group(tmp_path: Path) -> Iterator[None]:
         ({"sharding_strategy": "ZERO3"}, r"sharding_strategy='ZERO3' is not supported; use one of 'FULL_SHARD'"),
         ({"backward_prefetch": "EARLY"}, r"backward_prefetch='EARLY' is not supported; use one of 'BACKWARD_PRE'"),
         ({"policy": {nn.Conv2d}}, r"selects no submodule of GPT.*candidates: .*Block"),
-        ({"policy": {"Block"}}, r"must hold nn.Module subclasses"),
+        ({"policy": {"Block"}}, r"policy holds 'Block', which is not an nn.Module class"),
     ],
 )
 def test_bad_arguments_are_refused_before_sharding(kwargs: dict, message: str) -> None:
@@ -77,3 +77,28 @@ def test_one_rank_computes_what_the_plain_model_computes() -> None:
     assert torch.equal(loss, ref_loss)
     for (name, param), ref_param in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(param.grad, ref_param.grad, msg=f"{name}: gradient differs")
+
+
+BAD_VALUES = [
+    ({"sharding_strategy": "ZERO3"}, {"sharding_strategy": "ZERO3"}),
+    ({"backward_prefetch": "EARLY"}, {"backward_prefetch": "EARLY"}),
+    ({"policy": {int}}, {"auto_wrap_policy": {int}}),
+    ({"policy": set()}, {"auto_wrap_policy": set()}),
+    ({"policy": nn.Linear(2, 2)}, {"auto_wrap_policy": nn.Linear(2, 2)}),
+    ({"policy": 3}, {"auto_wrap_policy": 3}),
+]
+
+
+@pytest.mark.usefixtures("single_rank_group")
+@pytest.mark.parametrize(("engine_kwargs", "strategy_kwargs"), BAD_VALUES)
+def test_the_strategy_and_fully_shard_refuse_a_bad_value_alike(engine_kwargs: dict, strategy_kwargs: dict) -> None:
+    """One vocabulary: the strategy adapts Lightning's forms onto the engine's validation, so a bad value gets the
+    same exception and the same sentence (naming the argument it was given as) from both."""
+    from lightning_fsdp import FSDPStrategy
+
+    with pytest.raises(ValueError) as from_engine:
+        fully_shard(GPT(TINY_GPT), **{"policy": {Block}, **engine_kwargs})
+    with pytest.raises(ValueError) as from_strategy:
+        FSDPStrategy(**strategy_kwargs)
+    assert type(from_engine.value) is type(from_strategy.value)
+    assert str(from_strategy.value).replace("auto_wrap_policy", "policy") == str(from_engine.value)

@@ -14,10 +14,11 @@ import torch.distributed as dist
 
 from lightning_fsdp import fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine import collectives, shm
-from lightning_fsdp.engine.buffers import BufferPool
+from lightning_fsdp.engine import shm
+from lightning_fsdp.engine.comm_stats import CollectiveCounter
 from lightning_fsdp.engine.registry import units_under
 from lightning_fsdp.engine.shm import SLOTS, SharedMemoryTransport
+from lightning_fsdp.engine.transport import Pending
 from tests.distributed import run_distributed
 
 
@@ -42,38 +43,49 @@ def _dev_shm_entries_of(pids: list[int]) -> list[str]:
     return [name for name in os.listdir("/dev/shm") if any(str(pid) in name for pid in pids)]
 
 
-def _gather(value: float, transport: SharedMemoryTransport | None, pool: BufferPool) -> object:
-    group, world_size = dist.group.WORLD, dist.get_world_size()
-    return collectives.all_gather_shards([torch.full((5,), value)], group, world_size, torch.float32, pool, transport)
+SIZES = {"all_gather": 1024, "reduce_scatter": 1024}
+GATHERS = SLOTS["all_gather"]
+
+
+def _create(sizes: dict[str, int] = SIZES) -> SharedMemoryTransport | None:
+    return SharedMemoryTransport.create(dist.group.WORLD, sizes)[0]
+
+
+def _gather(value: float, transport: SharedMemoryTransport) -> Pending[list[torch.Tensor]]:
+    return transport.all_gather([torch.full((5,), value)], torch.float32, None)
 
 
 def _check_slots(rank: int, world_size: int) -> None:
     pids: list[int | None] = [None] * world_size
     dist.all_gather_object(pids, os.getpid())
-    transport = SharedMemoryTransport.create(dist.group.WORLD, 1024)
+    transport = _create({"all_gather": 1000, "reduce_scatter": 3000, "all_reduce": 100})
     assert transport is not None, "ranks of one host share memory"
+    assert {kind: slots.slot_bytes for kind, slots in transport.slots.items()} == {"all_gather": 1024, "reduce": 3008}
+    assert transport.resident_bytes == 3 * (64 + 1024) + 2 * (64 + 3008), "sized per collective kind, not 4 x largest"
     assert _open_segment_descriptors() == [], "the creator's descriptor is closed once every rank has mapped it"
     assert _mapped_segments() == {f"{shm.SEGMENT_NAME}-{pid}" for pid in pids}, "every rank's segment, mapped"
     assert _dev_shm_entries_of(pids) == [], "nothing of this run in /dev/shm"
 
-    assert transport.acquire(transport.slot_bytes + 1) is None, "a collective larger than a slot goes over gloo"
-    assert [transport.acquire(8) for _ in range(SLOTS)] == list(range(SLOTS)), "every slot once"
-    assert transport.acquire(8) is None, "every slot in flight: the next collective goes over gloo"
-    transport.release(2)
-    transport.release(0)
-    assert transport.acquire(8) == 2, "the slot free the longest first"
-    transport.release(2)
-    for slot in (1, 3):
-        transport.release(slot)
-    assert [transport.acquire(8) for _ in range(4)] == [0, 2, 1, 3], "in the order they were released"
-    for slot in range(SLOTS):
-        transport.release(slot)
+    slots = transport.slots["all_gather"]
+    assert slots.acquire(slots.slot_bytes + 1) is None, "a collective larger than a slot goes over gloo"
+    assert [slots.acquire(8) for _ in range(GATHERS)] == [0, 1, 2], "every slot once"
+    assert slots.acquire(8) is None, "every slot in flight: the next collective goes over gloo"
+    slots.release(2)
+    slots.release(0)
+    assert slots.acquire(8) == 2, "the slot free the longest first"
+    slots.release(2)
+    slots.release(1)
+    assert [slots.acquire(8) for _ in range(GATHERS)] == [0, 2, 1], "in the order they were released"
+    for slot in range(GATHERS):
+        slots.release(slot)
 
-    # More gathers in flight than slots, finished in reverse order: the first SLOTS through shared memory, the
+    # More gathers in flight than slots, finished in reverse order: the first ones through shared memory, the
     # rest over gloo, every value right on every rank.
-    pool = BufferPool()
-    pending = [_gather(10.0 * i + rank, transport, pool) for i in range(SLOTS + 3)]
-    assert [isinstance(p, shm.PendingSharedGather) for p in pending] == [True] * SLOTS + [False] * 3
+    with CollectiveCounter() as counter:
+        pending = [_gather(10.0 * i + rank, transport) for i in range(GATHERS + 3)]
+    assert [event.op for event in counter.events if event.kind == "all_gather"] == ["shm::all_gather"] * GATHERS + [
+        "c10d::_allgather_base_"
+    ] * 3
     for i in reversed(range(len(pending))):
         blocks = pending[i].wait()
         assert [block.tolist() for block in blocks] == [[10.0 * i + r] * 5 for r in range(world_size)]
@@ -82,18 +94,20 @@ def _check_slots(rank: int, world_size: int) -> None:
 
 def _check_no_rewrite_before_everyone_read(rank: int, world_size: int) -> None:
     """Rank 0 races ahead into the next collective, which must take the same slot; the slow rank still reads."""
-    transport = SharedMemoryTransport.create(dist.group.WORLD, 1024)
+    transport = _create()
     assert transport is not None
-    held = [transport.acquire(8) for _ in range(SLOTS - 1)]  # one slot left for the two collectives below
-    pool = BufferPool()
-    first = _gather(1.0 + rank, transport, pool)
+    slots = transport.slots["all_gather"]
+    held = [slots.acquire(8) for _ in range(GATHERS - 1)]  # one slot left for the two collectives below
+    first = _gather(1.0 + rank, transport)
     if rank == world_size - 1:
         first.wait()
         time.sleep(1.0)  # everyone else has read and moved on; this rank has not read yet
         assert [block.tolist() for block in first.wait()] == [[1.0 + r] * 5 for r in range(world_size)]
     first.release()
-    second = _gather(100.0 + rank, transport, pool)
-    assert isinstance(second, shm.PendingSharedGather) and second.slot == first.slot, "the only free slot again"
+    with CollectiveCounter() as counter:
+        second = _gather(100.0 + rank, transport)
+    assert [event.op for event in counter.events if event.kind == "all_gather"] == ["shm::all_gather"]
+    assert slots.acquire(8) is None, "the second took the only free slot again"
     assert [block.tolist() for block in second.wait()] == [[100.0 + r] * 5 for r in range(world_size)]
     second.release()
     assert None not in held
@@ -101,7 +115,8 @@ def _check_no_rewrite_before_everyone_read(rank: int, world_size: int) -> None:
 
 def _check_every_rank_agrees_to_fall_back(rank: int, world_size: int) -> None:
     os.environ[shm.ENV_SWITCH] = "0" if rank == 1 else "1"  # switched off on one rank only
-    assert SharedMemoryTransport.create(dist.group.WORLD, 1024) is None
+    transport, reason = SharedMemoryTransport.create(dist.group.WORLD, SIZES)
+    assert transport is None and "switched off (LIGHTNING_FSDP_SHARED_MEMORY=0)" in reason
     os.environ[shm.ENV_SWITCH] = "1"
     real_fallocate = os.posix_fallocate
     if rank == 1:  # memory is short when rank 1 reserves its segment
@@ -110,22 +125,20 @@ def _check_every_rank_agrees_to_fall_back(rank: int, world_size: int) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
         os.posix_fallocate = out_of_room
-    assert SharedMemoryTransport.create(dist.group.WORLD, 1024) is None
+    assert _create() is None
     os.posix_fallocate = real_fallocate
     assert _open_segment_descriptors() == [], "every rank closed the segment it had reserved"
     assert _mapped_segments() == set(), "and maps none"
     if rank == 1:  # as if rank 1 were in another pid namespace (container): it cannot see the others' tokens
         shm._peer = lambda path, nbytes, token: None
-    assert SharedMemoryTransport.create(dist.group.WORLD, 1024) is None
-    assert SharedMemoryTransport.create(None, 1024) is None, "no group: nothing to share"
-    singletons = [dist.new_group([r]) for r in range(world_size)]  # new_group is a collective over every rank
-    assert SharedMemoryTransport.create(singletons[rank], 1024) is None
+    transport, reason = SharedMemoryTransport.create(dist.group.WORLD, SIZES)
+    assert transport is None and "cannot map the others' memory" in reason
 
 
 def _check_summon_more_units_than_slots(rank: int, world_size: int) -> None:
     """summon_full_params gathers every unit before reading any: more collectives in flight than slots. The
     transport is created at a first forward under inference mode and still written by training afterwards."""
-    config = GPTConfig(vocab_size=61, block_size=8, n_layer=SLOTS + 2, n_head=2, n_embd=8)
+    config = GPTConfig(vocab_size=61, block_size=8, n_layer=GATHERS + 2, n_head=2, n_embd=8)
     torch.manual_seed(0)
     reference = GPT(config)
     torch.manual_seed(0)
@@ -134,7 +147,8 @@ def _check_summon_more_units_than_slots(rank: int, world_size: int) -> None:
     with torch.inference_mode():  # the first forward creates the transport; under Lightning it can be validation's
         model(tokens[:, :-1], tokens[:, 1:])
     transport = units_under(model)[0].transport()
-    assert transport is not None and not any(segment.is_inference() for segment in transport.segments)
+    assert isinstance(transport, SharedMemoryTransport)
+    assert not any(segment.is_inference() for segment in transport.segments)
     model(tokens[:, :-1], tokens[:, 1:]).backward()  # training writes into the slots outside inference mode
     with summon_full_params(model):
         for (name, full), (_, expected) in zip(model.named_parameters(), reference.named_parameters(), strict=True):

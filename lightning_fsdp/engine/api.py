@@ -74,6 +74,7 @@ def fully_shard(
     options = ShardingOptions.parse(
         sharding_strategy, backward_prefetch, forward_prefetch, limit_all_gathers, mixed_precision, cpu_offload
     )
+    wrap_policy = as_wrap_policy(policy)
     groups = resolve_groups(options.sharding_strategy, process_group, device_mesh)
     if unit_of(module) is not None:
         raise ValueError(f"{type(module).__name__} is already sharded; call fully_shard once per module.")
@@ -81,7 +82,6 @@ def fully_shard(
     ignored_param_ids = {id(p) for p in ignored_params} | {
         id(p) for m in module.modules() if id(m) in ignored_module_ids for p in m.parameters(recurse=False)
     }
-    wrap_policy = as_wrap_policy(policy)
     is_unit = lambda m: unit_of(m) is not None  # noqa: E731
     children = (
         select_unit_modules(module, wrap_policy, is_unit, lambda m: id(m) in ignored_module_ids)
@@ -115,7 +115,7 @@ def fully_shard(
     if options.mixed_precision.buffer_dtype is not None:
         _cast_buffers(module, options.mixed_precision.buffer_dtype)
     for unit in existing_units:
-        unit.context = None  # the new root claims them at its first forward
+        unit.leave_root()  # the new root claims them at its first forward
     _mark_fsdp_managed(module)
     return module
 

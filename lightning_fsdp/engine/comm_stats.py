@@ -29,7 +29,6 @@ ring all-reduce sends about 2x its input); that keeps it comparable across backe
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,9 +37,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveCounter", "CollectiveEvent", "classify", "record_collective"]
+from lightning_fsdp.engine.transport import add_collective_hook
+
+__all__ = ["CollectiveCounter", "CollectiveEvent", "classify"]
 
 #: Namespaces whose operators are collectives (or their functional, autograd and legacy functional forms).
 _NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
@@ -190,6 +191,21 @@ class CollectiveCounter(TorchDispatchMode):
         self.bytes: Counter[str] = Counter()
         self.events: list[CollectiveEvent] = []
 
+    def __enter__(self) -> CollectiveCounter:
+        # Collectives a transport moves outside torch.distributed (shared memory) reach no dispatcher op.
+        self._transport_hook = add_collective_hook(self._record_transport_collective)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._transport_hook.remove()
+        super().__exit__(*exc)
+
+    def _record_transport_collective(self, kind: str, op: str, payload: torch.Tensor, group_size: int) -> None:
+        """A collective announced by a transport (see ``add_collective_hook``), with the payload convention of the
+        ``c10d`` op it replaces."""
+        nbytes = payload.numel() * payload.element_size()
+        self.record(CollectiveEvent(kind, op, nbytes, payload.numel(), payload.dtype, group_size))
+
     def reset(self) -> None:
         """Forget everything recorded so far (e.g. after warmup steps)."""
         self.counts.clear()
@@ -220,41 +236,9 @@ class CollectiveCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace in _NAMESPACES and func._schema.name.split("::")[-1] not in _IGNORED:
             # Record before running: if the collective fails or hangs, the call was still issued.
-            event = _event(func, args, kwargs)
-            if _handshakes:  # a check that ranks agree (see as_handshake): synchronisation, not data
-                event = CollectiveEvent("barrier", event.op, event.bytes, event.numel, event.dtype, event.group_size)
-            self.record(event)
+            self.record(_event(func, args, kwargs))
         return func(*args, **kwargs)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{kind}: {self.counts[kind]} calls / {self.bytes[kind]} B" for kind in sorted(self.counts))
         return f"CollectiveCounter({parts})"
-
-
-_handshakes: list[bool] = []  # non-empty while as_handshake is active
-
-
-@contextlib.contextmanager
-def as_handshake() -> Iterator[None]:
-    """Count the collectives issued inside as barriers: they check that ranks agree (the identity of the next
-    collective, see ``ledger.py``) and move none of the model's data, like the barriers of the shared-memory
-    transport."""
-    _handshakes.append(True)
-    try:
-        yield
-    finally:
-        _handshakes.pop()
-
-
-def record_collective(kind: str, op: str, payload: torch.Tensor, group_size: int) -> None:
-    """Tell every active counter about a collective whose data moves outside ``torch.distributed`` (shared memory).
-
-    Such a collective reaches no dispatcher op, so without this it would vanish from the counts; it is recorded
-    with the same payload convention as the ``c10d`` op it replaces.
-    """
-    counters = [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, CollectiveCounter)]
-    if counters:
-        nbytes = payload.numel() * payload.element_size()
-        event = CollectiveEvent(kind, op, nbytes, payload.numel(), payload.dtype, group_size)
-        for counter in counters:
-            counter.record(event)

@@ -49,7 +49,7 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     model's gradients); the first backward with sync on reduces their sum once.
     """
     for unit in units_under(module):
-        unit.requires_grad_sync = requires_gradient_sync
+        unit.set_requires_grad_sync(requires_gradient_sync)
 
 
 @contextmanager

@@ -46,6 +46,7 @@ every parameter trainable keep the count alone, so their reductions start as ear
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Any
 
@@ -55,13 +56,14 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_fsdp.engine.buffers import BufferPool
 from lightning_fsdp.engine.fingerprint import check_same_model
 from lightning_fsdp.engine.ledger import Ledger
 from lightning_fsdp.engine.options import BackwardPrefetch
 from lightning_fsdp.engine.registry import units_under
-from lightning_fsdp.engine.shm import SharedMemoryTransport
-from lightning_fsdp.engine.unit import FSDPUnit, PendingGradReduction, ShardState, TrainingState
+from lightning_fsdp.engine.transport import Transport, choose_transport
+from lightning_fsdp.engine.unit import FSDPUnit, PendingGradReduction, ShardState
+
+log = logging.getLogger(__name__)
 
 # At most this many units gathered ahead of their use (the rate limiter of ``limit_all_gathers``).
 MAX_PREFETCHED_UNITS = 2
@@ -77,8 +79,7 @@ class RootContext:
         self._position: dict[int, int] = {}
         self.order_frozen = False
         self.pending: deque[PendingGradReduction] = deque()
-        self.pool = BufferPool()
-        self.transport: SharedMemoryTransport | None = None
+        self.transports: dict[int, Transport] = {}  # by id of the process group (see [Note: one transport per group])
         self.ledger: Ledger | None = None  # numbers the units' collectives (see [Note: collective identity])
         self.callback_queued = False
 
@@ -93,14 +94,14 @@ class RootContext:
             )
         module_names = {id(m): name for name, m in self.root.module.named_modules()}
         for unit in self.units:
-            unit.is_root = unit is self.root
-            unit.context = self
-            unit.name = module_names.get(id(unit.module)) or "<root>"
+            unit.claim(self, module_names.get(id(unit.module)) or "<root>", is_root=unit is self.root)
         groups = [g for g in (self.root.shard_group, self.root.replicate_group) if g is not None and g.size() > 1]
         if groups:
             self._check_same_model(groups)
-            self.ledger = Ledger([unit.name for unit in self.units], groups)
-        self.transport = self._shared_memory_transport()
+            self.ledger = Ledger([unit.name for unit in self.units])
+        self._choose_transports()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("lightning_fsdp: %s", self.describe())
 
     def _check_same_model(self, groups: list[ProcessGroup]) -> None:
         """One small collective per group (see ``fingerprint.py``): every rank must have built the same model."""
@@ -109,13 +110,37 @@ class RootContext:
         for group in groups:
             check_same_model(prints, group)
 
-    def _shared_memory_transport(self) -> SharedMemoryTransport | None:
-        """A collective over the shard group (this runs at the root's first forward, on every rank alike)."""
-        sharded = [unit for unit in self.units if unit.params and unit.world_size > 1]
-        on_cpu = all(p.unsharded_buffer.device.type == "cpu" for unit in sharded for p in unit.params)
-        if not sharded or not on_cpu:
-            return None
-        return SharedMemoryTransport.create(sharded[0].shard_group, max(u.collective_bytes() for u in sharded))
+    def _choose_transports(self) -> None:
+        """One transport per group the units communicate over, sized for the largest collective of each kind there
+        (a collective over the group: this runs at the root's first forward, on every rank alike)."""
+        needs: dict[int, dict[str, int]] = {}
+        for unit in self.units:
+            sent = unit.send_bytes()
+            shard = needs.setdefault(id(unit.shard_group), {})
+            for kind in ("all_gather", "reduce_scatter"):
+                shard[kind] = max(shard.get(kind, 0), sent.get(kind, 0))
+            replicate = needs.setdefault(id(unit.replicate_group), {})
+            replicate["all_reduce"] = max(replicate.get("all_reduce", 0), sent["all_reduce"])
+        root = self.root
+        for group in (root.shard_group, root.replicate_group):
+            if id(group) not in self.transports:
+                self.transports[id(group)] = choose_transport(group, root.compute_device(), needs[id(group)])
+
+    def describe(self) -> str:
+        """One line on this root: its units, the largest send buffer of each collective, the transports."""
+        largest: dict[str, int] = {}
+        for unit in self.units:
+            for kind, nbytes in unit.send_bytes().items():
+                largest[kind] = max(largest.get(kind, 0), nbytes)
+        sizes = ", ".join(f"{kind} {nbytes / 2**20:.2f} MiB" for kind, nbytes in sorted(largest.items()) if nbytes)
+        transports = ", ".join(f"{t.name} x{t.world_size}" for t in self.transports.values())
+        return (
+            f"root {type(self.root.module).__name__}: {len(self.units)} units, largest send buffer per collective "
+            f"({sizes or 'none'}), transports: {transports}"
+        )
+
+    def transport_of(self, group: ProcessGroup | None) -> Transport:
+        return self.transports[id(group)]
 
     # ----- order and prefetch --------------------------------------------------------------------------------------
 
@@ -135,15 +160,13 @@ class RootContext:
             return
         if unit.options.limit_all_gathers and sum(u.prefetched for u in self.units) >= MAX_PREFETCHED_UNITS:
             return
-        unit.unshard()
-        unit.prefetched = True
+        unit.prefetch()
 
     def unshard_for_use(self, unit: FSDPUnit, prefetch: FSDPUnit | None) -> None:
         """Issue the unit's gather, then the prefetch's (so the unit's arrives first), then wait for the unit."""
         unit.unshard()
         self.prefetch(prefetch)
-        unit.wait_for_unshard()
-        unit.prefetched = False
+        unit.use()
 
     # ----- gradients -----------------------------------------------------------------------------------------------
 
@@ -163,26 +186,21 @@ class RootContext:
         """Stage 6: reduce the units backward reached but did not finish, wait for everything, reshard all."""
         ordered = list(reversed(self.forward_order)) + [u for u in self.units if id(u) not in self._position]
         for unit in ordered:
-            reached = unit.training_state is TrainingState.PRE_BACKWARD or unit.grads_seen > 0
-            if reached and unit.training_state is not TrainingState.POST_BACKWARD:
+            if unit.backward_unfinished:
                 post_backward(unit)
         while self.pending:
             self.pending.popleft().finish()
         self.reshard_all()
-        self.pool.clear()  # between steps a rank holds its shards only
         self.order_frozen = True
         self.callback_queued = False
 
     def reshard_all(self) -> None:
+        """The end of a step (or of a forward without backward): every unit sharded, every transport's temporaries
+        given back (between steps a rank holds its shards only) and its deferred checks run."""
         for unit in self.units:
-            unit.grads_seen = 0
-            unit.input_grads_pending = 0
-            unit.awaits_final_callback = False
-            if unit.in_forward:  # see [Note: backward inside a forward]
-                unit.training_state = TrainingState.FORWARD
-                continue
-            unit.reshard()
-            unit.training_state = TrainingState.IDLE
+            unit.end_step()
+        for transport in self.transports.values():
+            transport.end_step()
 
 
 def context_of(unit: FSDPUnit) -> RootContext:
@@ -197,18 +215,16 @@ def context_of(unit: FSDPUnit) -> RootContext:
 @torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
 def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     context = context_of(unit)
-    if unit.training_state is TrainingState.PRE_BACKWARD:  # recomputation under activation checkpointing
-        unit.wait_for_unshard()
+    if unit.is_recomputing:  # under activation checkpointing
+        unit.use()
         return None
-    unit.training_state = TrainingState.FORWARD
-    unit.in_forward = True
+    unit.begin_forward(records_grads=torch.is_grad_enabled())
     if torch.is_grad_enabled():
         context.record_forward(unit)
-        unit.grads_expected = unit.num_trainable()
     forward_next = context.neighbour(unit, +1) if unit.options.forward_prefetch and context.order_frozen else None
     context.unshard_for_use(unit, forward_next)
     if torch.is_grad_enabled():
-        _hook_trainable_params(unit)
+        unit.hook_trainable_params(lambda _param: on_grad_accumulated(unit))
     precision = unit.options.mixed_precision
     cast = precision.cast_forward_inputs and precision.param_dtype is not None
     if cast:
@@ -221,11 +237,9 @@ def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) ->
 def _hook_input_grads(unit: FSDPUnit, args: tuple, kwargs: dict) -> None:
     """See [Note: post-backward of partly frozen units]."""
     inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not inputs:
-        unit.awaits_final_callback = True
-        return
-    unit.input_grads_pending += 1
-    register_multi_grad_hook(inputs, lambda _grads: on_input_grads(unit), mode="all")
+    unit.expect_input_grads(bool(inputs))
+    if inputs:
+        register_multi_grad_hook(inputs, lambda _grads: on_input_grads(unit), mode="all")
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
@@ -235,10 +249,9 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 @torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
 def post_forward(unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) -> Any:
     context = context_of(unit)
-    if unit.training_state is TrainingState.PRE_BACKWARD:  # recomputation: backward needs the parameters next
+    if unit.is_recomputing:  # backward needs the parameters next
         return output
-    unit.training_state = TrainingState.IDLE
-    unit.in_forward = False
+    unit.end_forward()
     if unit.options.reshard_after_forward and not unit.is_root:
         unit.reshard()
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -256,9 +269,8 @@ def post_forward(unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) ->
 def pre_backward(unit: FSDPUnit) -> None:
     context = context_of(unit)
     context.queue_final_callback()
-    if unit.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+    if not unit.begin_backward():
         return
-    unit.training_state = TrainingState.PRE_BACKWARD
     prefetch = unit.options.backward_prefetch is BackwardPrefetch.BACKWARD_PRE
     context.unshard_for_use(unit, context.neighbour(unit, -1) if prefetch else None)
 
@@ -267,20 +279,19 @@ def pre_backward(unit: FSDPUnit) -> None:
 def on_grad_accumulated(unit: FSDPUnit) -> None:
     # A backward that no unit's output hook announced (it ran inside the only unit's forward) still ends in stage 6.
     context_of(unit).queue_final_callback()
-    unit.grads_seen += 1
+    unit.grad_accumulated()
     _post_backward_if_done(unit)
 
 
 @torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
 def on_input_grads(unit: FSDPUnit) -> None:
-    unit.input_grads_pending = max(unit.input_grads_pending - 1, 0)
+    unit.input_grads_arrived()
     _post_backward_if_done(unit)
 
 
 def _post_backward_if_done(unit: FSDPUnit) -> None:
     """Stage 5 once the unit's backward is complete (see the two notes on post-backward above)."""
-    complete = unit.grads_seen >= unit.grads_expected and unit.input_grads_pending == 0
-    if complete and not unit.awaits_final_callback and unit.training_state is not TrainingState.POST_BACKWARD:
+    if unit.backward_complete:
         post_backward(unit)
 
 
@@ -288,21 +299,7 @@ def post_backward(unit: FSDPUnit) -> None:
     context = context_of(unit)
     if unit.options.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         context.prefetch(context.neighbour(unit, -1))
-    if unit.requires_grad_sync:
-        context.enqueue_reduction(unit.reduce_grads())
-    if not unit.in_forward:  # see [Note: backward inside a forward]
-        unit.reshard()
-    unit.training_state = TrainingState.POST_BACKWARD
-
-
-def _hook_trainable_params(unit: FSDPUnit) -> None:
-    """Hook each parameter the first time it is trainable (frozen ones cannot be hooked; they may thaw later)."""
-    if len(unit.hooked_params) == unit.grads_expected:
-        return
-    for param in unit.grad_params():
-        if param.requires_grad and id(param) not in unit.hooked_params:
-            param.register_post_accumulate_grad_hook(lambda _param: on_grad_accumulated(unit))
-            unit.hooked_params.add(id(param))
+    context.enqueue_reduction(unit.finish_backward())
 
 
 def install_hooks(unit: FSDPUnit) -> None:

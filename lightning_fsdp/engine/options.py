@@ -25,6 +25,16 @@ class BackwardPrefetch(Enum):
     BACKWARD_POST = "BACKWARD_POST"  # gather the next unit when the current one's backward ends
 
 
+def parse_sharding_strategy(value: object) -> ShardingStrategy:
+    """Ours, torch's ``ShardingStrategy`` (by member name) or a name in any case; the one validation of the value."""
+    return _parse_enum(ShardingStrategy, value, "sharding_strategy")  # type: ignore[return-value]
+
+
+def parse_backward_prefetch(value: object) -> BackwardPrefetch | None:
+    """As ``parse_sharding_strategy``, for ``backward_prefetch`` (None: gather on demand)."""
+    return None if value is None else _parse_enum(BackwardPrefetch, value, "backward_prefetch")  # type: ignore[return-value]
+
+
 def _parse_enum(enum: type[Enum], value: object, argument: str) -> Enum:
     if isinstance(value, enum):
         return value
@@ -133,13 +143,9 @@ class ShardingOptions:
         mixed_precision: object,
         cpu_offload: object,
     ) -> ShardingOptions:
-        strategy = _parse_enum(ShardingStrategy, sharding_strategy, "sharding_strategy")
-        prefetch = (
-            None if backward_prefetch is None else _parse_enum(BackwardPrefetch, backward_prefetch, "backward_prefetch")
-        )
         return ShardingOptions(
-            strategy,
-            prefetch,
+            parse_sharding_strategy(sharding_strategy),
+            parse_backward_prefetch(backward_prefetch),
             bool(forward_prefetch),
             bool(limit_all_gathers),
             MixedPrecision.coerce(mixed_precision) or MixedPrecision(),

@@ -55,6 +55,22 @@ class ShardLayout:
     def padded_numel(self) -> int:
         return self.shard_numel * self.world_size
 
+    def local_rows_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a tensor of the parameter's full shape, as a (local_rows, row_numel) view."""
+        return full.reshape(self.rows, self.row_numel)[self.start : self.start + self.local_rows]
+
+    def by_rank(self, full: torch.Tensor) -> torch.Tensor:
+        """A tensor of the full shape as (world_size, shard_numel), zero-padded: row r is rank r's padded shard."""
+        rows = full.reshape(self.rows, self.row_numel)
+        pad = self.chunk_rows * self.world_size - self.rows
+        if pad:
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
+        return rows.view(self.world_size, self.shard_numel)
+
+    def unpad(self, by_rank: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The inverse of ``by_rank``: every rank's padded shard (world_size, shard_numel) as the full tensor."""
+        return by_rank.reshape(-1)[: shape.numel()].view(shape)
+
     @staticmethod
     def for_shape(shape: torch.Size, rank: int, world_size: int) -> ShardLayout:
         rows = shape[0] if len(shape) > 0 else 1
@@ -113,9 +129,9 @@ class FSDPParam:
         pin = shard_device.type == "cpu" and param.device.type == "cuda"
         # The padded local shard: what this rank packs into the unit's all-gather. Padding rows stay zero.
         self._padded_shard = torch.zeros(layout.shard_numel, dtype=param.dtype, device=shard_device, pin_memory=pin)
-        lo, n_local = layout.start * layout.row_numel, layout.local_rows * layout.row_numel
+        n_local = layout.local_rows * layout.row_numel
         with torch.no_grad():
-            self._padded_shard[:n_local].copy_(param.detach().reshape(-1)[lo : lo + n_local])
+            self._padded_shard[:n_local].copy_(layout.local_rows_of(param.detach()).reshape(-1))
         shard_shape = (layout.local_rows, *param.shape[1:]) if param.dim() > 0 else (layout.local_rows,)
         self.sharded = nn.Parameter(self._padded_shard[:n_local].view(shard_shape), requires_grad=param.requires_grad)
         # The full tensor lives in a padded buffer so the all-gather output copies into it in one fused op.
@@ -178,14 +194,7 @@ class FSDPParam:
     def grad_by_rank(self) -> torch.Tensor | None:
         """The unsharded gradient as (world_size, shard_numel), zero-padded; None if no gradient arrived."""
         grad = self.unsharded.grad
-        if grad is None:
-            return None
-        layout = self.layout
-        rows = grad.reshape(layout.rows, layout.row_numel)
-        pad = layout.chunk_rows * layout.world_size - layout.rows
-        if pad:
-            rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
-        return rows.view(layout.world_size, layout.shard_numel)
+        return None if grad is None else self.layout.by_rank(grad)
 
     def accumulate_sharded_grad(self, reduced_shard: torch.Tensor) -> None:
         """Add this rank's reduced rows (a view of the unit's reduce output, padding included) to ``.grad``.
@@ -203,12 +212,9 @@ class FSDPParam:
         """Copy this rank's rows of the (possibly user-modified) full tensor back into the shard."""
         if self.is_whole:  # they are one tensor
             return
-        n_local = self.sharded.numel()
-        lo = self.layout.start * self.layout.row_numel
         with torch.no_grad():
-            self.sharded.data.reshape(-1).copy_(
-                self.unsharded.data.reshape(-1)[lo : lo + n_local].to(self.sharded.device)
-            )
+            rows = self.layout.local_rows_of(self.unsharded.data)
+            self.sharded.data.reshape(-1).copy_(rows.reshape(-1).to(self.sharded.device))
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, local_rows={self.layout.local_rows})"

@@ -21,10 +21,7 @@ class ModuleClassPolicy:
     """Wrap every module that is an instance of one of ``classes`` (a transformer's block, say)."""
 
     def __init__(self, classes: Iterable[type[nn.Module]]) -> None:
-        self.classes = tuple(classes)
-        bad = [c for c in self.classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
-        if bad:
-            raise TypeError(f"an auto-wrap policy set must hold nn.Module subclasses, got {bad!r}.")
+        self.classes = tuple(sorted(module_classes(list(classes)) or (), key=lambda cls: cls.__qualname__))
 
     def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
         return True if recurse else isinstance(module, self.classes)
@@ -56,12 +53,38 @@ def size_based_policy(min_num_params: int = 100_000_000) -> SizeBasedPolicy:
     return SizeBasedPolicy(min_num_params)
 
 
-def as_wrap_policy(policy: PolicyLike) -> WrapPolicy | None:
-    if policy is None or callable(policy) and not isinstance(policy, type):
-        return policy
-    if isinstance(policy, type):
-        return ModuleClassPolicy([policy])
-    return ModuleClassPolicy(policy)
+def module_classes(policy: object, argument: str = "policy") -> set[type[nn.Module]] | None:
+    """The classes of a policy given as classes (one, or an iterable of them); None for a callable or None.
+
+    The one validation of the class forms, shared by ``fully_shard``, ``apply_activation_checkpointing`` and the
+    Lightning strategy (which first imports the class paths a config names): a bad value gets the same exception
+    and sentence from every entry point, naming the ``argument`` it was given as.
+    """
+    if isinstance(policy, nn.Module):
+        raise ValueError(f"{argument} holds a {type(policy).__name__} instance; pass its class (or import path).")
+    if policy is None or (callable(policy) and not isinstance(policy, type)):
+        return None
+    items = [policy] if isinstance(policy, type) else policy
+    if not isinstance(items, Iterable) or isinstance(items, str | bytes):
+        raise ValueError(
+            f"{argument}={policy!r} is not a policy; pass a set of module classes (or their import paths), a callable "
+            "(module, recurse, nonwrapped_numel) -> bool, or None."
+        )
+    classes = set(items)
+    if not classes:
+        raise ValueError(f"{argument} is an empty set; name the model's repeated blocks, or pass None.")
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ValueError(f"{argument} holds {cls!r}, which is not an nn.Module class; list module classes only.")
+    return classes
+
+
+def as_wrap_policy(policy: PolicyLike, argument: str = "policy") -> WrapPolicy | None:
+    """The policy as a callable (see ``module_classes`` for the forms and their validation)."""
+    classes = module_classes(policy, argument)
+    if classes is None:
+        return policy  # type: ignore[return-value]
+    return ModuleClassPolicy(classes)
 
 
 def select_unit_modules(

@@ -78,7 +78,7 @@ def _gather_masters(params: list[FSDPParam]) -> list[tuple[FSDPParam, Tensor]]:
         offset = 0
         for p in sharded:
             numel = p.layout.shard_numel
-            gathered.append((p, by_rank[:, offset : offset + numel].reshape(-1)[: p.shape.numel()].view(p.shape)))
+            gathered.append((p, p.layout.unpad(by_rank[:, offset : offset + numel], p.shape)))
             offset += numel
     return whole + gathered
 
@@ -149,9 +149,7 @@ def load_full_state_dict(module: nn.Module, state: Mapping[str, Tensor], strict:
             if fsdp_param is None:
                 target.copy_(source)
                 continue
-            layout = fsdp_param.layout
-            rows = source.reshape(layout.rows, layout.row_numel)[layout.start : layout.start + layout.local_rows]
-            target.copy_(rows.reshape(target.shape))
+            target.copy_(fsdp_param.layout.local_rows_of(source).reshape(target.shape))
 
 
 def check_keys_and_shapes(

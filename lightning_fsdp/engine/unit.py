@@ -3,10 +3,19 @@
 A unit issues exactly one collective per transition (one all-gather to unshard, one reduce-scatter or all-reduce
 to reduce gradients) over a flat buffer packed from all its parameters, as the FSDP paper's FlatParameter does,
 while each parameter keeps its own name, shape and dim-0 shard (see ``param.py``).
+
+[Note: profiler labels] Every transition that does work runs under a ``torch.profiler.record_function`` label, so a
+profile (and a CUDA trace) shows the engine's phases by name: ``lightning_fsdp.unshard`` (pack and issue the
+all-gather), ``lightning_fsdp.wait_unshard`` (wait, copy out, register the full parameters),
+``lightning_fsdp.reshard``, ``lightning_fsdp.reduce_grads`` (pack and issue the reduction) and
+``lightning_fsdp.wait_reduce`` (wait, accumulate into the sharded ``.grad``). Tools rely on these exact names. They
+are only reached from the runtime hooks, which torch.compile leaves out of its graphs (see [Note: hooks stay out of
+compiled graphs] in ``hooks.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any
@@ -14,15 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.profiler import record_function
 
-from lightning_fsdp.engine import collectives, shm
-from lightning_fsdp.engine.buffers import BufferPool
+from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, value_checksum
 from lightning_fsdp.engine.ledger import Stamp
 from lightning_fsdp.engine.options import ShardingOptions
 from lightning_fsdp.engine.param import FSDPParam
-
-_NO_POOL = BufferPool(retain=False)
+from lightning_fsdp.engine.transport import Pending, Transport, standalone_transport
 
 
 class ShardState(Enum):
@@ -50,18 +58,20 @@ class PendingGradReduction:
     """
 
     unit: FSDPUnit
-    pending: collectives.PendingReduceScatter | shm.PendingSharedReduceScatter
+    pending: Pending[torch.Tensor]
     had_grad: list[bool]
     divide_after: bool  # fp32 reductions divide the (W-times smaller) result; low precision divides first
 
     def finish(self) -> None:
-        reduced = self.pending.wait()
-        replicate_group = self.unit.replicate_group
-        if replicate_group is not None and self.unit.params:  # HYBRID: sum the shard over the replicas too
-            collectives.all_reduce(reduced, replicate_group, replicate_group.size()).wait()
-        if self.divide_after:  # an average over ranks, as DDP and the unsharded reference compute
-            reduced.div_(self.unit.total_world_size)
-        self.unit.accept_reduced_grads(reduced, self.had_grad)
+        with record_function("lightning_fsdp.wait_reduce"):
+            reduced = self.pending.wait()
+            unit = self.unit
+            if unit.replicate_group is not None and unit.params:  # HYBRID: sum the shard over the replicas too
+                stamp = unit.stamp("all-reduce", reduced.numel(), reduced.dtype)
+                reduced = unit.replicate_transport().all_reduce([reduced], reduced.dtype, stamp).wait()
+            if self.divide_after:  # an average over ranks, as DDP and the unsharded reference compute
+                reduced.div_(self.unit.total_world_size)
+            self.unit.accept_reduced_grads(reduced, self.had_grad)
 
 
 class FSDPUnit:
@@ -96,7 +106,7 @@ class FSDPUnit:
         self.is_root = False
         self.in_forward = False  # between this unit's pre- and post-forward (backward may run in between)
         self.requires_grad_sync = True
-        self._pending_gather: collectives.PendingAllGather | shm.PendingSharedGather | None = None
+        self._pending_gather: Pending[list[torch.Tensor]] | None = None
         self.prefetched = False  # unsharded ahead of use; cleared when the unit is used
         self.context: Any = None  # the RootContext of the root this unit runs under, set at the root's lazy init
         self.grads_expected = 0  # trainable parameters, counted at pre-forward
@@ -106,28 +116,159 @@ class FSDPUnit:
         self.input_grads_pending = 0  # forwards of this step whose input gradients backward has yet to compute
         self.awaits_final_callback = False  # frozen parameters, no input needing a gradient: stage 6 finishes it
 
-    def pool(self) -> BufferPool:
-        """The root's pool of collective buffers (see [Note: why pool on CPU]); none before the first forward."""
-        return self.context.pool if self.context is not None else _NO_POOL
+    # ----- the state machine: every change of the fields above goes through these methods ------------------------
 
-    def transport(self) -> shm.SharedMemoryTransport | None:
-        """The root's shared-memory transport for the shard group, if its ranks share a host (see ``shm.py``)."""
-        return self.context.transport if self.context is not None else None
+    def _expect(self, transition: str, *states: TrainingState) -> None:
+        if self.training_state not in states:
+            raise RuntimeError(
+                f"{self!r} (unit '{self.name}') cannot {transition} while {self.training_state.name}: the engine's "
+                "hooks ran out of order. Please report this with the model that triggers it."
+            )
+
+    def claim(self, context: Any, name: str, is_root: bool) -> None:
+        """The root whose lazy init found this unit runs it from now on; ``name`` is its path under that root."""
+        self.context, self.name, self.is_root = context, name, is_root
+
+    def leave_root(self) -> None:
+        """A later ``fully_shard`` call above this unit made a new root, which claims it at its first forward."""
+        self.context, self.is_root = None, False
+
+    def set_requires_grad_sync(self, requires_grad_sync: bool) -> None:
+        self.requires_grad_sync = requires_grad_sync
+
+    def begin_forward(self, records_grads: bool) -> None:
+        """Stage 2 starts (not a recomputation: the caller checked ``is_recomputing``)."""
+        self.training_state = TrainingState.FORWARD
+        self.in_forward = True
+        if records_grads:
+            self.grads_expected = self.num_trainable()
+
+    def end_forward(self) -> None:
+        """Stage 3: the unit's forward returned."""
+        self._expect("end its forward", TrainingState.FORWARD)
+        self.training_state = TrainingState.IDLE
+        self.in_forward = False
+
+    @property
+    def is_recomputing(self) -> bool:
+        """A forward while backward is inside this unit: activation checkpointing recomputes it."""
+        return self.training_state is TrainingState.PRE_BACKWARD
+
+    def prefetch(self) -> None:
+        """Start the gather ahead of use; the rate limiter counts the unit until ``use`` or ``reshard``."""
+        if self.shard_state is ShardState.SHARDED:
+            self.unshard()
+            self.prefetched = True
+
+    def use(self) -> None:
+        """Wait for the full parameters this unit's forward or backward is about to read."""
+        self.wait_for_unshard()
+        self.prefetched = False
+
+    def hook_trainable_params(self, on_grad: Callable[[nn.Parameter], None]) -> None:
+        """Hook each parameter the first time it is trainable (frozen ones cannot be hooked; they may thaw later)."""
+        if len(self.hooked_params) == self.grads_expected:
+            return
+        for param in self.grad_params():
+            if param.requires_grad and id(param) not in self.hooked_params:
+                param.register_post_accumulate_grad_hook(on_grad)
+                self.hooked_params.add(id(param))
+
+    def expect_input_grads(self, any_input_needs_grad: bool) -> None:
+        """See [Note: post-backward of partly frozen units] in ``hooks.py``: wait for the gradients of this forward's
+        inputs too, or, when none needs one, for the final callback."""
+        if any_input_needs_grad:
+            self.input_grads_pending += 1
+        else:
+            self.awaits_final_callback = True
+
+    def input_grads_arrived(self) -> None:
+        self.input_grads_pending = max(self.input_grads_pending - 1, 0)
+
+    def grad_accumulated(self) -> None:
+        self.grads_seen += 1
+
+    def begin_backward(self) -> bool:
+        """Stage 4: backward reached the unit's outputs. False when it had already (several outputs, one backward)."""
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return False
+        self.training_state = TrainingState.PRE_BACKWARD
+        return True
+
+    @property
+    def backward_complete(self) -> bool:
+        """Every gradient this unit's backward computes is in (see the notes on post-backward in ``hooks.py``)."""
+        complete = self.grads_seen >= self.grads_expected and self.input_grads_pending == 0
+        return complete and not self.awaits_final_callback and self.training_state is not TrainingState.POST_BACKWARD
+
+    @property
+    def backward_unfinished(self) -> bool:
+        """Backward reached the unit but stage 5 has not run (the final callback finishes it)."""
+        reached = self.training_state is TrainingState.PRE_BACKWARD or self.grads_seen > 0
+        return reached and self.training_state is not TrainingState.POST_BACKWARD
+
+    def finish_backward(self) -> PendingGradReduction | None:
+        """Stage 5: launch the gradient reduction (unless sync is off), reshard, and say so."""
+        self._expect("finish its backward", TrainingState.IDLE, TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
+        reduction = self.reduce_grads() if self.requires_grad_sync else None
+        if not self.in_forward:  # see [Note: backward inside a forward] in hooks.py
+            self.reshard()
+        self.training_state = TrainingState.POST_BACKWARD
+        return reduction
+
+    def end_step(self) -> None:
+        """Stage 6, once every reduction is finished: back to the state a forward starts from."""
+        self.grads_seen = 0
+        self.input_grads_pending = 0
+        self.awaits_final_callback = False
+        if self.in_forward:  # see [Note: backward inside a forward] in hooks.py
+            self.training_state = TrainingState.FORWARD
+            return
+        self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    # ----- transports -------------------------------------------------------------------------------------------
+
+    def transport(self) -> Transport:
+        """The transport of the shard group, chosen by the root (see [Note: one transport per group])."""
+        if self.context is not None:
+            return self.context.transport_of(self.shard_group)
+        return standalone_transport(self.shard_group, self.compute_device())  # before any root: state dicts
+
+    def replicate_transport(self) -> Transport:
+        """The transport of the replicate group (HYBRID_SHARD's replicas, NO_SHARD's ranks)."""
+        if self.context is not None:
+            return self.context.transport_of(self.replicate_group)
+        return standalone_transport(self.replicate_group, self.compute_device())
+
+    def compute_device(self) -> torch.device:
+        """Where forward and backward use this unit's parameters."""
+        if self.params:
+            return self.params[0].compute_device
+        return self.replicated[0].device if self.replicated else torch.device("cpu")
 
     def stamp(self, kind: str, numel: int, dtype: torch.dtype) -> Stamp | None:
         """The identity of this unit's next collective (see [Note: collective identity]); none before a root."""
         ledger = self.context.ledger if self.context is not None else None
         return ledger.stamp(kind, numel * dtype.itemsize, self.name) if ledger is not None else None
 
-    def collective_bytes(self) -> int:
-        """The largest send buffer this unit's collectives fill: its packed shards, or its reduced gradients."""
+    def send_bytes(self) -> dict[str, int]:
+        """The send buffer of each collective this unit issues, by kind: its packed shards (``all_gather``), its
+        gradients by rank (``reduce_scatter``), and the gradients summed over replicas (``all_reduce``)."""
+        mixed = self.options.mixed_precision
         if not self.params:
-            return 0
+            trainable = [p for p in self.replicated if p.requires_grad]
+            dtype = mixed.effective_reduce_dtype or (trainable[0].dtype if trainable else torch.float32)
+            return {"all_reduce": sum(p.numel() for p in trainable) * dtype.itemsize}
         shard_numel = sum(p.layout.shard_numel for p in self.params)
         trainable_numel = sum(p.layout.shard_numel for p in self.params if p.requires_grad)
-        param_dtype = self.options.mixed_precision.param_dtype or self.params[0].padded_shard.dtype
-        reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or param_dtype
-        return max(shard_numel * param_dtype.itemsize, self.world_size * trainable_numel * reduce_dtype.itemsize)
+        param_dtype = mixed.param_dtype or self.params[0].sharded.dtype
+        reduce_dtype = mixed.effective_reduce_dtype or param_dtype
+        return {
+            "all_gather": shard_numel * param_dtype.itemsize,
+            "reduce_scatter": self.world_size * trainable_numel * reduce_dtype.itemsize,
+            "all_reduce": trainable_numel * reduce_dtype.itemsize,
+        }
 
     def fingerprint(self, name_of: dict[int, str]) -> UnitPrint:
         """What this rank built for this unit; ``name_of`` names the replicated parameters (by id)."""
@@ -152,15 +293,14 @@ class FSDPUnit:
         if self.is_whole:
             self.shard_state = ShardState.UNSHARDED  # the registered parameters are the full ones already
             return
-        for fsdp_param in self.params:
-            fsdp_param.alloc_unsharded()
-        shards = [fsdp_param.padded_shard for fsdp_param in self.params]
-        dtype = self.options.mixed_precision.param_dtype or shards[0].dtype
-        stamp = self.stamp("all-gather", sum(shard.numel() for shard in shards), dtype) if self.world_size > 1 else None
-        with torch.no_grad():
-            self._pending_gather = collectives.all_gather_shards(
-                shards, self.shard_group, self.world_size, dtype, self.pool(), self.transport(), stamp
-            )
+        with record_function("lightning_fsdp.unshard"), torch.no_grad():
+            for fsdp_param in self.params:
+                fsdp_param.alloc_unsharded()
+            shards = [fsdp_param.padded_shard for fsdp_param in self.params]
+            dtype = self.options.mixed_precision.param_dtype or shards[0].dtype
+            numel = sum(shard.numel() for shard in shards)
+            stamp = self.stamp("all-gather", numel, dtype) if self.world_size > 1 else None
+            self._pending_gather = self.transport().all_gather(shards, dtype, stamp)
         self.shard_state = ShardState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
@@ -171,15 +311,15 @@ class FSDPUnit:
             return
         assert self._pending_gather is not None
         pending, self._pending_gather = self._pending_gather, None
-        with torch.no_grad():
+        with record_function("lightning_fsdp.wait_unshard"), torch.no_grad():
             collectives.unpack_all_gather(
                 pending.wait(),
                 [fsdp_param.layout.shard_numel for fsdp_param in self.params],
                 [fsdp_param.unsharded_buffer for fsdp_param in self.params],
             )
-        pending.release()
-        for fsdp_param in self.params:
-            fsdp_param.register_unsharded()
+            pending.release()
+            for fsdp_param in self.params:
+                fsdp_param.register_unsharded()
         self.shard_state = ShardState.UNSHARDED
 
     def reshard(self) -> None:
@@ -190,9 +330,10 @@ class FSDPUnit:
             self.wait_for_unshard()  # never free memory a collective is still writing into
         if self.shard_state is ShardState.SHARDED:
             return
-        for fsdp_param in self.params:
-            fsdp_param.register_sharded()
-            fsdp_param.free_unsharded()
+        with record_function("lightning_fsdp.reshard"):
+            for fsdp_param in self.params:
+                fsdp_param.register_sharded()
+                fsdp_param.free_unsharded()
         self.shard_state = ShardState.SHARDED
         self.prefetched = False
 
@@ -216,9 +357,10 @@ class FSDPUnit:
         """Launch the one gradient collective of this unit; frozen parameters take no part in it."""
         if self.is_whole:  # the gradients autograd accumulated are the final ones
             return None
-        if self.params:
-            return self._reduce_scatter_grads()
-        return self._all_reduce_grads()
+        with record_function("lightning_fsdp.reduce_grads"):
+            if self.params:
+                return self._reduce_scatter_grads()
+            return self._all_reduce_grads()
 
     def _reduce_scatter_grads(self) -> PendingGradReduction | None:
         trainable = [p for p in self.params if p.requires_grad]
@@ -232,42 +374,33 @@ class FSDPUnit:
                 grad = fsdp_param.sharded.new_zeros(self.world_size, fsdp_param.layout.shard_numel)
             views.append(grad)
         reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or views[0].dtype
-        columns = sum(view.size(1) for view in views)
-        pool, transport = self.pool(), self.transport()
-        send, slot = collectives.reduce_scatter_send_buffer(
-            self.world_size, columns, reduce_dtype, views[0].device, pool, transport
-        )
-        with torch.no_grad():
-            torch.cat(views, dim=1, out=send)  # the cast to reduce_dtype, if any, is the packing copy
-            divide_after = self._divide_before_reducing(send)
+        numel = self.world_size * sum(view.size(1) for view in views)
+        stamp = self.stamp("reduce-scatter", numel, reduce_dtype) if self.world_size > 1 else None
+        divide_by = self._divide_before_reducing(reduce_dtype)
+        with torch.no_grad():  # the cast to reduce_dtype, if any, is the transport's packing copy
+            pending = self.transport().reduce_scatter(views, reduce_dtype, stamp, divide_by)
         for fsdp_param in trainable:
             fsdp_param.unsharded.grad = None
-        shared = (transport, slot) if transport is not None and slot is not None else None
-        stamp = self.stamp("reduce-scatter", send.numel(), send.dtype) if self.world_size > 1 else None
-        pending = collectives.reduce_scatter(send, self.shard_group, self.world_size, pool, shared, stamp)
-        return PendingGradReduction(self, pending, had_grad, divide_after)
+        return PendingGradReduction(self, pending, had_grad, divide_by is None)
 
     def _all_reduce_grads(self) -> PendingGradReduction | None:
         trainable = [p for p in self.replicated if p.requires_grad]
         if not trainable:
             return None
         had_grad = [param.grad is not None for param in trainable]
-        reduce_dtype = self.options.mixed_precision.effective_reduce_dtype
+        reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or trainable[0].dtype
+        grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in trainable]
+        numel = sum(grad.numel() for grad in grads)
+        stamp = self.stamp("all-reduce", numel, reduce_dtype) if self.total_world_size > 1 else None
+        divide_by = self._divide_before_reducing(reduce_dtype)
         with torch.no_grad():
-            flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in trainable])
-            if reduce_dtype is not None and flat.dtype != reduce_dtype:
-                flat = flat.to(reduce_dtype)
-            divide_after = self._divide_before_reducing(flat)
-        stamp = self.stamp("all-reduce", flat.numel(), flat.dtype) if self.total_world_size > 1 else None
-        pending = collectives.all_reduce(flat, self.replicate_group, self.total_world_size, stamp)
-        return PendingGradReduction(self, pending, had_grad, divide_after)
+            pending = self.replicate_transport().all_reduce(grads, reduce_dtype, stamp, divide_by)
+        return PendingGradReduction(self, pending, had_grad, divide_by is None)
 
-    def _divide_before_reducing(self, send: torch.Tensor) -> bool:
-        """Low precision divides by the ranks first, so the sum cannot overflow; fp32 divides the result after."""
-        if send.dtype in (torch.float16, torch.bfloat16):
-            send.div_(self.total_world_size)
-            return False
-        return True
+    def _divide_before_reducing(self, dtype: torch.dtype) -> int | None:
+        """Low precision divides by the ranks first, so the sum cannot overflow (the divisor); fp32 divides the
+        result after (None)."""
+        return self.total_world_size if dtype in (torch.float16, torch.bfloat16) else None
 
     def accept_reduced_grads(self, reduced: torch.Tensor, had_grad: list[bool]) -> None:
         """Hand each trainable parameter that had a gradient its slice of the reduced buffer (views: no copy)."""

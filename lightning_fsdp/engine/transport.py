@@ -1,0 +1,202 @@
+"""One interface for a unit's collectives, whatever moves the bytes: ``all_gather``, ``reduce_scatter`` and
+``all_reduce``, each returning a ``Pending`` whose ``wait`` gives the same shape on every transport.
+
+[Note: one transport per group] A root chooses, at its lazy init and on every rank alike, one transport for each
+process group its units use (``choose_transport``) and logs once which one and why no faster one was available:
+
+- ``SharedMemoryTransport`` (``shm.py``): CPU ranks of one host; the data goes through shared memory and gloo only
+  synchronises. The fastest on one host.
+- ``GlooTransport`` (``gloo.py``): CPU ranks anywhere (between hosts, or with shared memory switched off).
+- ``NcclTransport`` (``nccl.py``): CUDA ranks; its own all-gather and reduce-scatter streams, ordered by events.
+
+What a collective's ``wait`` returns:
+
+- ``all_gather(shards)``: one 1-D block per rank of the group, in group rank order: the packed shards that rank
+  sent. Valid until ``release``, which gives the memory back to the transport.
+- ``reduce_scatter(grads)``: this rank's row of the sum over ranks, a 1-D tensor of its own (it becomes ``.grad``).
+- ``all_reduce(grads)``: the sum over ranks of the packed tensors, a 1-D tensor of its own.
+
+Each transport owns the buffer pool of its temporaries (see [Note: why pool on CPU] in ``buffers.py``) and carries
+every collective's ``Stamp`` with its data (see [Note: collective identity] in ``ledger.py``). Collectives whose data
+never reaches a ``torch.distributed`` op (shared memory) are announced to the hooks of ``add_collective_hook``, which
+is how ``comm_stats.CollectiveCounter`` counts them: no call into the statistics in the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
+
+from lightning_fsdp.engine import collectives
+from lightning_fsdp.engine.buffers import BufferPool
+from lightning_fsdp.engine.ledger import Stamp
+
+log = logging.getLogger(__name__)
+
+Result = TypeVar("Result")
+CollectiveHook = Callable[[str, str, torch.Tensor, int], None]  # (kind, op, payload, group size)
+_COLLECTIVE_HOOKS: OrderedDict[int, CollectiveHook] = OrderedDict()  # RemovableHandle holds it by weak reference
+
+
+def add_collective_hook(hook: CollectiveHook) -> RemovableHandle:
+    """Call ``hook(kind, op, payload, group_size)`` for every collective whose data moves outside
+    ``torch.distributed`` (a shared-memory all-gather, say), with the payload convention of the ``c10d`` op it
+    replaces. Remove it with the returned handle."""
+    handle = RemovableHandle(_COLLECTIVE_HOOKS)
+    _COLLECTIVE_HOOKS[handle.id] = hook
+    return handle
+
+
+def announce(kind: str, op: str, payload: torch.Tensor, group_size: int) -> None:
+    """Tell the collective hooks, if there are any, about a collective a transport moves by itself."""
+    for hook in tuple(_COLLECTIVE_HOOKS.values()):
+        hook(kind, op, payload, group_size)
+
+
+class Pending(Generic[Result]):
+    """One collective in flight. ``wait`` blocks until its result is usable on this rank and returns it (again on a
+    second call); ``release`` says the caller is done with that result, so the transport may reuse its memory."""
+
+    __slots__ = ("_finish", "_release", "_result")
+
+    def __init__(self, finish: Callable[[], Result], release: Callable[[], None] | None = None) -> None:
+        self._finish: Callable[[], Result] | None = finish
+        self._release = release
+        self._result: Result | None = None
+
+    @staticmethod
+    def done(result: Result, release: Callable[[], None] | None = None) -> Pending[Result]:
+        """A collective that completed at once (one rank: nothing to exchange)."""
+        return Pending(lambda: result, release)
+
+    def wait(self) -> Result:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            self._result = finish()
+        return self._result  # type: ignore[return-value]
+
+    def release(self) -> None:
+        self.wait()
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
+
+
+class Transport(ABC):
+    """The collectives of the units of one root over one process group (``None``: one rank, nothing exchanged).
+
+    Every method packs the caller's tensors (casting to ``dtype``) into the transport's own send buffer and starts
+    the collective; ``stamp`` travels with the data (None: no root numbers the collectives). ``divide_by`` divides
+    the packed gradients before they are summed (low precision averages first so the sum cannot overflow).
+    """
+
+    name = "one rank"
+
+    def __init__(self, group: ProcessGroup | None) -> None:
+        self.group = group
+        self.world_size = group.size() if group is not None else 1
+        self.rank = group.rank() if group is not None else 0
+        self.pool = BufferPool()
+
+    @property
+    def resident_bytes(self) -> int:
+        """Memory this transport holds outside tensors the garbage collector sees (shared-memory segments)."""
+        return 0
+
+    def end_step(self) -> None:
+        """The end of a backward: give the pooled temporaries back, so between steps a rank holds its shards only."""
+        self.pool.clear()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(world_size={self.world_size})"
+
+    # ----- the interface ------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def all_gather(
+        self, shards: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None
+    ) -> Pending[list[torch.Tensor]]:
+        """Every rank's packed ``shards`` (1-D tensors), one block per rank; see [Note: one transport per group]."""
+
+    @abstractmethod
+    def reduce_scatter(
+        self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
+    ) -> Pending[torch.Tensor]:
+        """This rank's row of the sum over ranks of the packed (world_size, n_i) ``grads``."""
+
+    @abstractmethod
+    def all_reduce(
+        self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
+    ) -> Pending[torch.Tensor]:
+        """The sum over ranks of the packed 1-D ``grads``."""
+
+    @staticmethod
+    def pack_own(
+        grads: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, divide_by: int | None
+    ) -> torch.Tensor:
+        """Pack into a new tensor of the result's own (never pooled: it becomes ``.grad``)."""
+        out = torch.empty(shape, dtype=dtype, device=grads[0].device)
+        collectives.pack(grads, out)
+        if divide_by is not None:
+            out.div_(divide_by)
+        return out
+
+
+class SingleRank(Transport):
+    """No other rank: the collectives only pack (and cast)."""
+
+    def all_gather(
+        self, shards: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None
+    ) -> Pending[list[torch.Tensor]]:
+        send = self.pool.take(sum(shard.numel() for shard in shards), dtype, shards[0].device)
+        collectives.pack([shard.reshape(-1) for shard in shards], send)
+        return Pending.done([send], lambda: self.pool.give(send))
+
+    def reduce_scatter(
+        self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
+    ) -> Pending[torch.Tensor]:
+        columns = sum(grad.size(1) for grad in grads)
+        return Pending.done(self.pack_own(grads, (1, columns), dtype, divide_by).view(-1))
+
+    def all_reduce(
+        self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
+    ) -> Pending[torch.Tensor]:
+        return Pending.done(self.pack_own(grads, (sum(g.numel() for g in grads),), dtype, divide_by))
+
+
+def standalone_transport(group: ProcessGroup | None, device: torch.device) -> Transport:
+    """The transport ``group`` can always use, without asking the other ranks: NCCL for CUDA tensors, else gloo."""
+    from lightning_fsdp.engine import gloo, nccl  # the implementations import this module
+
+    if group is None or group.size() == 1:
+        return SingleRank(None)
+    if device.type == "cuda":
+        return nccl.NcclTransport(group, device)
+    return gloo.GlooTransport(group)
+
+
+def choose_transport(group: ProcessGroup | None, device: torch.device, send_bytes: dict[str, int]) -> Transport:
+    """The fastest transport every rank of ``group`` can use, chosen alike on every rank (a collective when shared
+    memory is tried), and logged once with the reason no faster one was available.
+
+    ``send_bytes``: the largest send buffer of each collective kind the units will issue over ``group`` (what the
+    shared-memory slots must hold).
+    """
+    from lightning_fsdp.engine import shm  # the implementations import this module
+
+    if group is None or group.size() == 1:
+        return SingleRank(None)
+    if device.type == "cuda":
+        chosen, reason = standalone_transport(group, device), "CUDA tensors: the fastest there is"
+    else:
+        shared, reason = shm.SharedMemoryTransport.create(group, send_bytes)
+        chosen = shared if shared is not None else standalone_transport(group, device)
+    log.info("lightning_fsdp: %s transport over %d ranks (%s)", chosen.name, chosen.world_size, reason)
+    return chosen

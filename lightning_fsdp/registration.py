@@ -2,10 +2,11 @@
 
 Why not at import: ``import lightning_fsdp`` must register ``"myfsdp"`` and the other names with the Trainer and
 with Fabric, yet ``import lightning_fsdp.engine`` (which runs this package's ``__init__`` first) must not import
-Lightning, which the engine does not need. So the package's ``__init__`` calls ``register_when_lightning_loads``: if ``lightning.pytorch`` is
-already imported the names are registered at once; otherwise a finder on ``sys.meta_path`` waits for
-``lightning.pytorch`` to be imported and registers them right after its package has run, before any user code can
-look a name up (``Trainer`` and ``StrategyRegistry`` live under it). Registering then imports ``strategy.py``,
+Lightning, which the engine does not need. So the package's ``__init__`` calls ``register_when_lightning_loads``:
+if ``lightning.pytorch`` is already imported the names are registered at once; otherwise a finder on
+``sys.meta_path`` waits for ``lightning.pytorch`` to be imported and registers them right after its package has
+run, before any user code can look a name up (``Trainer`` and ``StrategyRegistry`` live under it; importing
+``lightning.fabric`` imports it too, through the ``lightning`` package). Registering then imports the strategies,
 whose Lightning imports are all loaded by that time.
 """
 

@@ -32,9 +32,21 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int,
         optimizer.zero_grad()
 
 
+class ScaledGPT(GPT):
+    """The tiny GPT with a trainable 0-dim parameter (a loss scale): its one row lives on one rank, so its sharded
+    checkpoint form is a copy that loading must write back, for the value and for its optimizer state."""
+
+    def __init__(self) -> None:
+        super().__init__(TINY_GPT)
+        self.loss_scale = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx, targets) * self.loss_scale
+
+
 def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = fully_shard(GPT(TINY_GPT), {Block})
+    model = fully_shard(ScaledGPT(), {Block})
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 

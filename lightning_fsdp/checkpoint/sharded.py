@@ -34,6 +34,7 @@ from lightning_fsdp.engine.state_dict import (
     parameter_names,
     sharded_optimizer_state_dict,
     sharded_state_dict,
+    write_back_scalars,
 )
 
 META_FILE = "meta.pt"
@@ -111,6 +112,8 @@ def load_sharded(
                 sharded_optimizer_state_dict(module, optimizer), metadata, index
             )
     dcp.load(target, storage_reader=dcp_reader(path, trust, opt_in), planner=dcp_load_planner(trust, opt_in))
+    optimizer_states = {optimizer: target[f"optimizer_{index}"] for index, optimizer in enumerate(optimizers)}
+    write_back_scalars(module, target["model"], optimizer_states)
     for index, optimizer in enumerate(optimizers):
         apply_optimizer_hyperparameters(optimizer, target[f"optimizer_{index}"]["param_groups"])
     merge_callback_tensors(meta, callbacks)

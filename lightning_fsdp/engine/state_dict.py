@@ -84,9 +84,47 @@ def _gather_masters(params: list[FSDPParam]) -> list[tuple[FSDPParam, Tensor]]:
 
 
 def sharded_state_dict(module: nn.Module) -> dict[str, Tensor]:
-    """``module.state_dict()`` with every shard as a DTensor aliasing it; loading into it loads into the model."""
+    """``module.state_dict()`` with every shard as a DTensor aliasing it; loading into it loads into the model, but
+    for 0-dim parameters, whose entries are copies: pass the loaded dict to ``write_back_scalars``."""
     _check_idle(module, "sharded_state_dict")
     return {name: as_dtensor(value) for name, value in module.state_dict(keep_vars=True).items()}
+
+
+def write_back_scalars(
+    module: nn.Module,
+    model_state: Mapping[str, Any],
+    optimizer_states: Mapping[torch.optim.Optimizer, Any] | None = None,
+) -> None:
+    """After an in-place load (``torch.distributed.checkpoint.load``) into ``sharded_state_dict`` and
+    ``sharded_optimizer_state_dict``: copy the values of sharded 0-dim parameters, and of their per-row optimizer
+    state, into the one rank that holds their row. Their checkpoint form is a copy of the value on every rank (there
+    is no row to alias on the others), so the load changed only the copy.
+    """
+    names = parameter_names(module)
+    with torch.no_grad():
+        for name, value in module.state_dict(keep_vars=True).items():
+            if name in model_state and _is_scalar_shard(value):
+                _copy_scalar(value.detach(), model_state[name])
+        for optimizer, state in (optimizer_states or {}).items():
+            for param, param_state in optimizer.state.items():
+                saved = state["state"].get(names[id(param)], {})
+                for key, value in param_state.items():
+                    if _is_scalar_shard(param) and _is_per_row(value, param) and key in saved:
+                        _copy_scalar(value, saved[key])
+
+
+def _is_scalar_shard(value: Tensor) -> bool:
+    fsdp_param = fsdp_param_of(value) if isinstance(value, nn.Parameter) else None
+    return fsdp_param is not None and fsdp_param.layout.world_size > 1 and len(fsdp_param.shape) == 0
+
+
+def _is_per_row(value: Any, param: Tensor) -> bool:
+    return isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+def _copy_scalar(local: Tensor, loaded: Tensor) -> None:
+    if local.numel():  # the rank holding the one row
+        local.reshape(-1)[:1].copy_(loaded.reshape(-1))
 
 
 def as_dtensor(value: Tensor) -> Tensor:
@@ -223,9 +261,10 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
 
 def _state_as_dtensor(value: Any, param: Tensor) -> Any:
     fsdp_param = fsdp_param_of(param)
-    per_row = isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape
-    if fsdp_param is None or not per_row or fsdp_param.layout.world_size == 1 or len(fsdp_param.shape) == 0:
+    if fsdp_param is None or not _is_per_row(value, param) or fsdp_param.layout.world_size == 1:
         return value
+    if len(fsdp_param.shape) == 0:  # like the parameter: its one row's value, on every rank (see write_back_scalars)
+        return _whole(value, fsdp_param)
     return _shard_dtensor(value, fsdp_param)
 
 

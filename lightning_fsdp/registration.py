@@ -6,8 +6,8 @@ Lightning, which the engine does not need. So the package's ``__init__`` calls `
 if ``lightning.pytorch`` is already imported the names are registered at once; otherwise a finder on
 ``sys.meta_path`` waits for ``lightning.pytorch`` to be imported and registers them right after its package has
 run, before any user code can look a name up (``Trainer`` and ``StrategyRegistry`` live under it; importing
-``lightning.fabric`` imports it too, through the ``lightning`` package). Registering then imports the strategies,
-whose Lightning imports are all loaded by that time.
+``lightning.fabric`` imports it too, through the ``lightning`` package). The registered entries are factories that
+import the strategies when a name is first used (see ``register_now``).
 """
 
 from __future__ import annotations
@@ -15,23 +15,51 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import Any
 
 LIGHTNING = "lightning.pytorch"
 
+# name -> (description, the strategy's arguments), for the Trainer's registry and for Fabric's.
+STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
+    "myfsdp": ("lightning_fsdp: FULL_SHARD", {}),
+    "myfsdp_shard_grad_op": (
+        "lightning_fsdp: SHARD_GRAD_OP (parameters kept gathered from forward to backward)",
+        {"sharding_strategy": "SHARD_GRAD_OP"},
+    ),
+    "myfsdp_cpu_offload": ("lightning_fsdp: FULL_SHARD with the sharded state in CPU memory", {"cpu_offload": True}),
+}
+
+
+def register_names(registry: Any, strategy: Callable[..., Any]) -> None:
+    """Register every name of ``STRATEGY_NAMES`` in a Lightning strategy registry; names already there are kept."""
+    for name, (description, init_params) in STRATEGY_NAMES.items():
+        if name not in registry:
+            registry.register(name, strategy, description=description, **init_params)
+
 
 def register_now() -> None:
+    """Register factories, not the classes: this runs while Lightning is being imported, often because one of our
+    own Lightning-dependent modules is importing it and is itself half-initialised, so the strategy classes are
+    imported only when a Trainer or a Fabric asks for one by name."""
     from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_fsdp.fabric import FabricFSDPStrategy
+    register_names(StrategyRegistry, _trainer_strategy)
+    register_names(FABRIC_STRATEGY_REGISTRY, _fabric_strategy)
+
+
+def _trainer_strategy(**init_params: Any) -> Any:
     from lightning_fsdp.strategy import FSDPStrategy
 
-    if "myfsdp" not in StrategyRegistry:
-        FSDPStrategy.register_strategies(StrategyRegistry)
-    if "myfsdp" not in FABRIC_STRATEGY_REGISTRY:
-        FabricFSDPStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+    return FSDPStrategy(**init_params)
+
+
+def _fabric_strategy(**init_params: Any) -> Any:
+    from lightning_fsdp.fabric import FabricFSDPStrategy
+
+    return FabricFSDPStrategy(**init_params)
 
 
 def register_when_lightning_loads() -> None:

@@ -66,6 +66,7 @@ from lightning_fsdp.engine.registry import unit_of
 from lightning_fsdp.engine.state_dict import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict
 from lightning_fsdp.lightning_arguments import refuse_unknown_keywords
 from lightning_fsdp.precision import FSDPPrecision, as_fsdp_precision
+from lightning_fsdp.registration import register_names
 from lightning_fsdp.sharding_setup import (
     Policy,
     ShardedModelSetup,
@@ -544,19 +545,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register("myfsdp", cls, description="lightning_fsdp: FULL_SHARD")
-        strategy_registry.register(
-            "myfsdp_shard_grad_op",
-            cls,
-            description="lightning_fsdp: SHARD_GRAD_OP (parameters kept gathered from forward to backward)",
-            sharding_strategy="SHARD_GRAD_OP",
-        )
-        strategy_registry.register(
-            "myfsdp_cpu_offload",
-            cls,
-            description="lightning_fsdp: FULL_SHARD with the sharded state in CPU memory",
-            cpu_offload=True,
-        )
+        register_names(strategy_registry, cls)
 
     def _module(self) -> pl.LightningModule:
         assert self.lightning_module is not None

@@ -34,6 +34,18 @@ trainer = Trainer(strategy="myfsdp", accelerator="cpu", devices=1, logger=False,
 assert type(trainer.strategy) is FSDPStrategy, trainer.strategy
 """
 
+# One of our Lightning-dependent modules imported first: it imports Lightning while half-initialised itself, and the
+# registration that runs inside that import must not import it again.
+OUR_LIGHTNING_MODULE_FIRST = """
+from lightning_fsdp.precision import FSDPPrecision
+from lightning_fsdp.averaging import ShardedEMA
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning_fsdp import FabricFSDPStrategy, FSDPStrategy
+assert type(StrategyRegistry.get("myfsdp")) is FSDPStrategy
+assert type(STRATEGY_REGISTRY.get("myfsdp_cpu_offload")) is FabricFSDPStrategy
+"""
+
 LIGHTNING_FIRST = """
 from lightning.pytorch.strategies import StrategyRegistry
 assert "myfsdp" not in StrategyRegistry
@@ -52,4 +64,5 @@ def _run(code: str) -> None:
 
 def test_engine_imports_no_lightning_and_the_package_registers_the_strategy_names() -> None:
     _run(ENGINE_ALONE)
+    _run(OUR_LIGHTNING_MODULE_FIRST)
     _run(LIGHTNING_FIRST)

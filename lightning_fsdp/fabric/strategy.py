@@ -64,6 +64,7 @@ from lightning_fsdp.fabric.checkpoint import (
 )
 from lightning_fsdp.fabric.precision import FabricFSDPPrecision, as_fabric_fsdp_precision
 from lightning_fsdp.lightning_arguments import refuse_unknown_keywords
+from lightning_fsdp.registration import register_names
 from lightning_fsdp.sharding_setup import Policy, ShardedModelSetup, ShardingName
 
 if TYPE_CHECKING:
@@ -460,19 +461,7 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register("myfsdp", cls, description="lightning_fsdp: FULL_SHARD")
-        strategy_registry.register(
-            "myfsdp_shard_grad_op",
-            cls,
-            description="lightning_fsdp: SHARD_GRAD_OP (parameters kept gathered from forward to backward)",
-            sharding_strategy="SHARD_GRAD_OP",
-        )
-        strategy_registry.register(
-            "myfsdp_cpu_offload",
-            cls,
-            description="lightning_fsdp: FULL_SHARD with the sharded state in CPU memory",
-            cpu_offload=True,
-        )
+        register_names(strategy_registry, cls)
 
 
 class _EngineBackwardSyncControl(_BackwardSyncControl):

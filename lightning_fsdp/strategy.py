@@ -66,6 +66,7 @@ from lightning_fsdp.engine.registry import unit_of
 from lightning_fsdp.engine.state_dict import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict
 from lightning_fsdp.lightning_arguments import activation_checkpointing_alias, refuse_unknown_keywords, split_ignored
 from lightning_fsdp.precision import FSDPPrecision, as_fsdp_precision
+from lightning_fsdp.registration import register
 from lightning_fsdp.summary import use_full_size_summaries
 from lightning_fsdp.sync_batchnorm import for_device
 
@@ -647,19 +648,7 @@ class FSDPStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register("myfsdp", cls, description="lightning_fsdp: FULL_SHARD")
-        strategy_registry.register(
-            "myfsdp_shard_grad_op",
-            cls,
-            description="lightning_fsdp: SHARD_GRAD_OP (parameters kept gathered from forward to backward)",
-            sharding_strategy="SHARD_GRAD_OP",
-        )
-        strategy_registry.register(
-            "myfsdp_cpu_offload",
-            cls,
-            description="lightning_fsdp: FULL_SHARD with the sharded state in CPU memory",
-            cpu_offload=True,
-        )
+        register(strategy_registry, cls)  # the names are defined once, in registration.py
 
     def _module(self) -> pl.LightningModule:
         assert self.lightning_module is not None

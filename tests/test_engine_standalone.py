@@ -23,9 +23,9 @@ from lightning_fsdp import MixedPrecision, clip_grad_norm_
 assert {LIGHTNING_MODULES} == [], {LIGHTNING_MODULES}
 import lightning_fsdp
 assert {LIGHTNING_MODULES} == [], "import lightning_fsdp alone imports no Lightning either"
+from lightning_fsdp import FSDPStrategy  # loads Lightning from inside our own module: registers without a cycle
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning_fsdp import FSDPStrategy
 for name, strategy, cpu_offload in (("myfsdp", "FULL_SHARD", False), ("myfsdp_shard_grad_op", "SHARD_GRAD_OP", False),
                                     ("myfsdp_cpu_offload", "FULL_SHARD", True)):
     built = StrategyRegistry.get(name)

@@ -12,7 +12,7 @@ from torch import nn
 from lightning_fsdp import fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block
 from lightning_fsdp.engine.registry import fsdp_param_of, unit_of, units_under
-from lightning_fsdp.engine.unit import TrainingState
+from lightning_fsdp.engine.unit import ShardState, TrainingState
 from tests.distributed import run_distributed
 from tests.engine_harness import RTOL, TINY_GPT, Run, max_relative_error, run_parity
 
@@ -227,5 +227,61 @@ def _check_backward_inside_forward(rank: int, world_size: int) -> None:
                 assert error < RTOL, f"[{strategy}] {name}: relative error {error:.2e}"
 
 
-def test_backward_inside_the_root_forward_keeps_it_gathered() -> None:
-    run_distributed(_check_backward_inside_forward, 2)
+class StepAsForward(nn.Module):
+    """A root whose forward is re-entered: the strategy runs a LightningModule's training_step as the root's forward,
+    and the step calls the module's own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = GPT(TINY_GPT)
+        self.as_step = False
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.as_step:
+            self.as_step = False
+            return self(tokens)
+        return self.model(tokens[:, :-1], tokens[:, 1:])
+
+
+def _check_reentered_and_raising_forwards(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    reference = GPT(TINY_GPT)
+    root = fully_shard(StepAsForward(), {Block})
+    with torch.no_grad(), summon_full_params(root):
+        root.model.load_state_dict(reference.state_dict())
+    optimizer, ref_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (root, reference))
+    for step in range(3):
+        tokens = torch.randint(
+            0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size + 1), generator=torch.Generator().manual_seed(step)
+        )
+        root.as_step = True
+        root(tokens).backward()
+        reference(tokens[:, :-1], tokens[:, 1:]).backward()
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+        if step == 0:
+            # A forward that raises after the blocks ran (an out-of-range target, as out-of-memory would), caught by
+            # the caller: every unit ends its forward resharded, and training goes on.
+            with pytest.raises(IndexError):
+                root(
+                    torch.full_like(tokens, TINY_GPT.vocab_size - 1).index_fill_(
+                        1, torch.tensor([TINY_GPT.block_size]), TINY_GPT.vocab_size
+                    )
+                )
+            for unit in units_under(root):
+                assert unit.training_state is TrainingState.IDLE and not unit.in_forward, unit
+                assert unit.shard_state is ShardState.SHARDED, unit
+    with summon_full_params(root, writeback=False):
+        for (name, param), ref_param in zip(root.model.named_parameters(), reference.parameters(), strict=True):
+            error = max_relative_error(param.detach(), ref_param.detach())
+            assert error < RTOL, f"[re-entered forward] {name}: relative error {error:.2e}"
+
+
+def _check_forwards_inside_and_around_backward(rank: int, world_size: int) -> None:
+    _check_backward_inside_forward(rank, world_size)
+    _check_reentered_and_raising_forwards(rank, world_size)
+
+
+def test_backward_inside_the_root_forward_keeps_it_gathered_and_forwards_may_nest_or_raise() -> None:
+    run_distributed(_check_forwards_inside_and_around_backward, 2)

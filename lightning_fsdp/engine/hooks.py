@@ -307,4 +307,8 @@ def install_hooks(unit: FSDPUnit) -> None:
     unit.module.register_forward_pre_hook(
         lambda module, args, kwargs: pre_forward(unit, module, args, kwargs), with_kwargs=True
     )
-    unit.module.register_forward_hook(lambda module, args, output: post_forward(unit, module, args, output))
+    # always_call: a forward that raises (a user catching out-of-memory to retry smaller) still ends the unit's
+    # forward and, the output being None, reshards what it gathered.
+    unit.module.register_forward_hook(
+        lambda module, args, output: post_forward(unit, module, args, output), always_call=True
+    )

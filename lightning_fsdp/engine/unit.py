@@ -104,7 +104,10 @@ class FSDPUnit:
         self.shard_state = ShardState.SHARDED if params else ShardState.UNSHARDED
         self.training_state = TrainingState.IDLE
         self.is_root = False
-        self.in_forward = False  # between this unit's pre- and post-forward (backward may run in between)
+        # Forwards of this unit entered and not yet returned (backward may run in between). More than one when the
+        # forward is re-entered: the strategy runs a LightningModule's training_step as its root's forward, and the
+        # step then calls the module's own forward.
+        self.forward_depth = 0
         self.requires_grad_sync = True
         self._pending_gather: Pending[list[torch.Tensor]] | None = None
         self.prefetched = False  # unsharded ahead of use; cleared when the unit is used
@@ -139,15 +142,21 @@ class FSDPUnit:
     def begin_forward(self, records_grads: bool) -> None:
         """Stage 2 starts (not a recomputation: the caller checked ``is_recomputing``)."""
         self.training_state = TrainingState.FORWARD
-        self.in_forward = True
+        self.forward_depth += 1
         if records_grads:
             self.grads_expected = self.num_trainable()
 
     def end_forward(self) -> None:
         """Stage 3: the unit's forward returned."""
         self._expect("end its forward", TrainingState.FORWARD)
-        self.training_state = TrainingState.IDLE
-        self.in_forward = False
+        self.forward_depth -= 1
+        if not self.in_forward:
+            self.training_state = TrainingState.IDLE
+
+    @property
+    def in_forward(self) -> bool:
+        """Between this unit's pre- and post-forward."""
+        return self.forward_depth > 0
 
     @property
     def is_recomputing(self) -> bool:

@@ -1,20 +1,29 @@
-"""Starting local ranks for tests and benchmarks: a free port, and spawned processes under a deadline.
+"""Starting local ranks for tests and benchmarks: a free port, and started processes under a deadline.
 
 The test helper (``tests/distributed.py``) and the benchmarks (``benchmarks/``) launch ranks the same way, so they
 share the same guarantees: a rank that raises or dies ends the run at once with every failed rank's traceback (the
 others are killed rather than left waiting in a collective), a hang ends after ``timeout`` seconds instead of eating
 the caller's budget, and no process outlives the call. Training under Lightning launches through its own launchers;
-this module is for code that spawns ranks itself.
+this module is for code that starts ranks itself.
+
+[Note: ranks forked from a server] A freshly spawned interpreter spends seconds of CPU importing torch (and more for
+Lightning) before a rank does any work, and a test suite starts hundreds of ranks. The ranks are therefore forked
+from multiprocessing's fork server, a process that imported those modules once and never ran a torch op (so no
+thread pool is lost in the fork). A forked rank would otherwise run in the server's state, not its launcher's: it
+gets the launcher's environment and its stdout/stderr (under pytest, the current test's capture, where a crashed
+rank's ``faulthandler`` stack belongs) sent along with its arguments, and applies them before anything else runs.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from multiprocessing import reduction
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -34,10 +43,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def spawn_with_deadline(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], timeout: float) -> None:
-    """Run ``fn(rank, *args)`` in ``nprocs`` freshly spawned processes and wait at most ``timeout`` seconds.
+def spawn_with_deadline(
+    fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], timeout: float, preload: Sequence[str] = ()
+) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` new processes and wait at most ``timeout`` seconds.
 
-    ``fn`` and ``args`` must be picklable, so ``fn`` is a module-level function.
+    ``fn`` and ``args`` must be picklable, so ``fn`` is a module-level function. The processes are forked from a
+    server that has imported torch, ``fn``'s module and the modules named in ``preload`` (see [Note: ranks forked
+    from a server]); each rank runs in this process's current environment and writes to its stdout and stderr.
+    The server starts at the first call and serves every later one, with the modules that call named: a module
+    it lacks is imported by each rank that needs it.
 
     Raises:
         TypeError: ``fn`` or ``args`` cannot be pickled; nothing was started.
@@ -48,7 +63,11 @@ def spawn_with_deadline(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ..
         pickle.dumps((fn, args))
     except (pickle.PicklingError, AttributeError, TypeError) as err:
         raise TypeError(f"spawned ranks need a module-level function and picklable args: {err}") from None
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", fn.__module__, *preload])
+    launcher = _LauncherState(dict(os.environ))
+    context = mp.start_processes(
+        _run_in_launcher_state, args=(launcher, fn, args), nprocs=nprocs, join=False, start_method="forkserver"
+    )
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=0.5):
@@ -64,6 +83,42 @@ def spawn_with_deadline(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ..
         raise RuntimeError(_failure_report(context) or err.msg) from None
     finally:
         _kill_and_clean_up(context)
+
+
+class _LauncherState:
+    """What a rank forked from the server must take over from its launcher: the environment, stdout and stderr.
+
+    Pickled into the rank's arguments, the streams travel as file descriptors: the rank gets duplicates of the
+    launcher's descriptors 1 and 2, as a spawned child would inherit them.
+    """
+
+    def __init__(self, environment: dict[str, str]) -> None:
+        self.environment = environment
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _AdoptedLauncherState, (self.environment, reduction.DupFd(1), reduction.DupFd(2))
+
+
+class _AdoptedLauncherState:
+    """A :class:`_LauncherState` as the rank unpickles it, holding its own copies of the launcher's streams."""
+
+    def __init__(self, environment: dict[str, str], out: Any, err: Any) -> None:
+        self.environment = environment
+        self.streams = (out.detach(), err.detach())
+
+    def apply(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environment)
+        for target, fd in zip((1, 2), self.streams, strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _run_in_launcher_state(
+    rank: int, launcher: _AdoptedLauncherState, fn: Callable[..., Any], args: tuple[Any, ...]
+) -> None:
+    launcher.apply()
+    fn(rank, *args)
 
 
 def _failure_report(context: mp.ProcessContext) -> str:

@@ -22,6 +22,11 @@ from lightning_fsdp.process_exit import exit_now
 
 __all__ = ["run_distributed"]
 
+# Imported once by the server the ranks are forked from (see [Note: ranks forked from a server] in
+# lightning_fsdp/launch.py) instead of by every rank: the parity harness most tests use, and Lightning (which
+# imports transformers) for the tests that train under a Trainer or Fabric inside the ranks.
+_PRELOAD = ("tests.engine_harness", "lightning.pytorch")
+
 
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0, backend: str = "gloo"
@@ -37,7 +42,9 @@ def run_distributed(
         TimeoutError: some rank had not finished after ``timeout`` seconds; all ranks were killed.
     """
     try:
-        spawn_with_deadline(_run_rank, world_size, (fn, world_size, free_port(), timeout, backend, args), timeout)
+        spawn_with_deadline(
+            _run_rank, world_size, (fn, world_size, free_port(), timeout, backend, args), timeout, preload=_PRELOAD
+        )
     except TypeError as err:
         raise TypeError(f"run_distributed: {err}") from None
 

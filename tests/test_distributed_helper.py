@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -41,8 +42,28 @@ def _rank_zero_hangs(rank: int, world_size: int, pid_file: str) -> None:
         time.sleep(1000)
 
 
+def _rank_reports_its_environment(rank: int, world_size: int, variable: str, expected: str) -> None:
+    assert os.environ.get(variable) == expected, f"rank {rank}: {variable}={os.environ.get(variable)!r}"
+    print(f"rank {rank} to stdout", flush=True)
+    print(f"rank {rank} to stderr", file=sys.stderr, flush=True)
+
+
 def test_all_reduce_on_two_ranks_passes() -> None:
     run_distributed(_all_reduce_sums_ranks, 2, 10.0, timeout=60.0)
+
+
+def test_ranks_run_in_the_callers_current_environment_and_write_to_its_streams(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # Set after the ranks' fork server may have started (an earlier test started it): the ranks must see it all
+    # the same, and print into this test's capture, not into the one that was current when the server started.
+    value = f"set-by-{os.getpid()}-{time.monotonic_ns()}"
+    monkeypatch.setenv("LIGHTNING_FSDP_HELPER_CHECK", value)
+    run_distributed(_rank_reports_its_environment, 2, "LIGHTNING_FSDP_HELPER_CHECK", value, timeout=60.0)
+    out, err = capfd.readouterr()
+    for rank in range(2):
+        assert f"rank {rank} to stdout" in out
+        assert f"rank {rank} to stderr" in err
 
 
 def test_a_rank_that_raises_fails_fast_with_its_traceback() -> None:

@@ -1,6 +1,7 @@
 """The engine imports torch only, and ``import lightning_fsdp`` still registers the strategy names with Lightning.
 
-Each case runs in a fresh interpreter: this test process has imported Lightning long ago.
+Each case runs in a fresh interpreter: this test process has imported Lightning long ago. The three run at once:
+each spends its time importing on one core.
 """
 
 from __future__ import annotations
@@ -54,15 +55,26 @@ assert "myfsdp" in StrategyRegistry, "registered at once when Lightning is alrea
 """
 
 
-def _run(code: str) -> None:
+def _start(code: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_engine_imports_no_lightning_and_the_package_registers_the_strategy_names() -> None:
-    _run(ENGINE_ALONE)
-    _run(OUR_LIGHTNING_MODULE_FIRST)
-    _run(LIGHTNING_FIRST)
+    cases = {"engine alone": ENGINE_ALONE, "ours first": OUR_LIGHTNING_MODULE_FIRST, "Lightning first": LIGHTNING_FIRST}
+    processes = {label: _start(code) for label, code in cases.items()}
+    try:
+        for label, process in processes.items():
+            _, stderr = process.communicate(timeout=300)
+            assert process.returncode == 0, f"{label}:\n{stderr[-3000:]}"
+    finally:
+        for process in processes.values():
+            process.kill()
+            process.wait()

@@ -4,7 +4,8 @@ one device, sharded at other world sizes -- and what is on disk is readable by L
 a save killed mid-write.
 
 Five launches in all: the 2-process ``main`` script, the killed run for each form, and the resumes on 1 and 4
-processes. The tolerance is the engine parity tests' (tests/engine_harness.py, [Note: parity tolerance]).
+processes; the two killed runs run at the same time, and so do the two resumes. The tolerance is the engine parity
+tests' (tests/engine_harness.py, [Note: parity tolerance]).
 """
 
 from __future__ import annotations
@@ -48,17 +49,44 @@ def _checkpoint_step(path: Path) -> int:
     return torch.load(path, weights_only=False)["global_step"]
 
 
+def _run_at_once(commands: dict[str, list[str]], returncode: int) -> None:
+    """Run the commands at the same time, each in a session of its own; fail unless each exits with ``returncode``.
+
+    A launch imports Lightning in its ranks one after the other (rank 0 starts rank 1 once it has imported it), which
+    leaves a core idle for the other launch. The sessions let a timeout kill every rank, and let a script SIGKILL its
+    own process group, which must not be pytest's.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    processes = {
+        label: subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        )
+        for label, command in commands.items()
+    }
+    try:
+        outputs = {label: process.communicate(timeout=300) for label, process in processes.items()}
+    finally:
+        for process in processes.values():
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # the other ranks, should they outlive rank 0
+            except ProcessLookupError:
+                pass
+            process.wait()
+    for label, process in processes.items():
+        stdout, stderr = outputs[label]
+        assert process.returncode == returncode, f"{label}: rc {process.returncode}\n{stdout[-3000:]}\n{stderr[-3000:]}"
+
+
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any]]]:
     """Each form's killed run: its folder, and what its checkpoint folder held right after the kill."""
+    outs = {mode: tmp_path_factory.mktemp(f"killed_{mode}") for mode in KILL_MODES}
+    commands = {
+        mode: [sys.executable, str(SCRIPTS / "checkpoint_kill.py"), str(outs[mode]), mode] for mode in KILL_MODES
+    }
+    _run_at_once(commands, returncode=-signal.SIGKILL)
     runs = {}
-    for mode in KILL_MODES:
-        out = tmp_path_factory.mktemp(f"killed_{mode}")
-        command = [sys.executable, str(SCRIPTS / "checkpoint_kill.py"), str(out), mode]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        # A new session: the script SIGKILLs its own process group, which must not be pytest's.
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, start_new_session=True)
-        assert result.returncode == -signal.SIGKILL, f"{mode}: rc {result.returncode}\n{result.stderr[-3000:]}"
+    for mode, out in outs.items():
         folder = out / "ckpts"
         names = sorted(p.name for p in folder.iterdir())
         steps = {name: _checkpoint_step(folder / name) for name in names if name.endswith(".ckpt")}
@@ -71,12 +99,13 @@ def resumed_at(
     tmp_path_factory: pytest.TempPathFactory, main_out: Path, killed: dict[str, tuple[Path, dict[str, Any]]]
 ) -> dict[int, Path]:
     """The sharded step-4 folder from 2 ranks resumed on 1 and on 4; on 1 also the killed runs, from ``last``."""
-    outs = {}
-    for devices in (1, 4):
-        out = tmp_path_factory.mktemp(f"w{devices}")
+    outs = {devices: tmp_path_factory.mktemp(f"w{devices}") for devices in (1, 4)}
+    commands = {}
+    for devices, out in outs.items():
         extra = [str(killed[mode][0]) for mode in KILL_MODES] if devices == 1 else []
-        run_script("checkpoint_resume.py", out, "resume", str(devices), str(main_out), *extra)
-        outs[devices] = out
+        script = [sys.executable, str(SCRIPTS / "checkpoint_resume.py"), str(out)]
+        commands[f"resume on {devices}"] = [*script, "resume", str(devices), str(main_out), *extra]
+    _run_at_once(commands, returncode=0)
     return outs
 
 

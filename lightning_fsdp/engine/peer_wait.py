@@ -14,8 +14,9 @@ the data written before it; other architectures need fences Python cannot issue,
 on x86-64 (``ORDERED_STORES``).
 
 The waiting rank first yields its core between reads (the other rank is likely on its way), then sleeps between
-reads for at most ``MAX_SLEEP_S``, so a long wait leaves the core to other work. It never waits forever: a rank that
-has exited (or is a zombie) is named at once, and a wait longer than the process group's timeout raises.
+reads for a twentieth of the time it has waited so far (at most ``MAX_SLEEP_S``): the wait ends at most ~5% late,
+and a long wait (a checkpoint written by another rank) leaves the core to other work. It never waits forever: a rank
+that has exited (or is a zombie) is named at once, and a wait longer than the process group's timeout raises.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import torch
 
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 YIELD_S = 1e-3  # wall time spent yielding between reads before sleeping between them
-MAX_SLEEP_S = 2e-4
+SLEEP_FRACTION = 0.05  # of the time waited so far
+MAX_SLEEP_S = 2e-3
 LIVENESS_EVERY_S = 1.0
 
 
@@ -61,7 +63,6 @@ def wait_until(ready: Callable[[], bool], waiting_on: dict[int, int], what: str,
         return
     start = time.monotonic()
     next_check = start + LIVENESS_EVERY_S
-    sleep = 0.0
     while not ready():
         now = time.monotonic()
         if now - start < YIELD_S:
@@ -75,8 +76,7 @@ def wait_until(ready: Callable[[], bool], waiting_on: dict[int, int], what: str,
                     f"waited {timeout_s:.0f} s for ranks {sorted(waiting_on)} in {what}; they are alive but never got "
                     "there: every rank must run the same units in the same order (or raise the process group timeout)."
                 )
-        sleep = min(max(sleep * 2, 1e-5), MAX_SLEEP_S)
-        time.sleep(sleep)
+        time.sleep(min((now - start) * SLEEP_FRACTION, MAX_SLEEP_S))
 
 
 def _check_alive(waiting_on: dict[int, int], what: str) -> None:

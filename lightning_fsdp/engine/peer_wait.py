@@ -9,14 +9,15 @@ and one saying which it has read (``shm.py``); a rank waiting on the others read
 nothing to the rank being waited on and is seen at once.
 
 A counter is a plain aligned 8-byte store written after the data it announces. On x86-64 stores become visible to
-other cores in program order and loads are not reordered with older loads, so a rank that reads the counter reads
-the data written before it; other architectures need fences Python cannot issue, so the transport is only offered
-on x86-64 (``ORDERED_STORES``).
+other cores in program order (the non-temporal stores of large copies end with a fence) and loads are not reordered
+with older loads, so a rank that reads the counter reads the data written before it; other architectures need fences
+Python cannot issue, so the transport is only offered on x86-64 (``ORDERED_STORES``).
 
 The waiting rank first yields its core between reads (the other rank is likely on its way), then sleeps between
 reads for a twentieth of the time it has waited so far (at most ``MAX_SLEEP_S``): the wait ends at most ~5% late,
 and a long wait (a checkpoint written by another rank) leaves the core to other work. It never waits forever: a rank
-that has exited (or is a zombie) is named at once, and a wait longer than the process group's timeout raises.
+that has exited (or is a zombie) is named within a second, and a wait longer than the process group's timeout
+raises.
 """
 
 from __future__ import annotations

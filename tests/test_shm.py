@@ -6,6 +6,8 @@ import contextlib
 import errno
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -14,8 +16,10 @@ import torch.distributed as dist
 
 from lightning_fsdp import fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine import shm
+from lightning_fsdp.engine import peer_wait, shm
 from lightning_fsdp.engine.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.ledger import CollectiveMismatchError, Ledger
+from lightning_fsdp.engine.peer_wait import PeerExitedError
 from lightning_fsdp.engine.registry import units_under
 from lightning_fsdp.engine.shm import SLOTS, SharedMemoryTransport
 from lightning_fsdp.engine.transport import Pending
@@ -61,7 +65,8 @@ def _check_slots(rank: int, world_size: int) -> None:
     transport = _create({"all_gather": 1000, "reduce_scatter": 3000, "all_reduce": 100})
     assert transport is not None, "ranks of one host share memory"
     assert {kind: slots.slot_bytes for kind, slots in transport.slots.items()} == {"all_gather": 1024, "reduce": 3008}
-    assert transport.resident_bytes == 3 * (64 + 1024) + 2 * (64 + 3008), "sized per collective kind, not 4 x largest"
+    slots_bytes = 3 * (64 + 1024) + 2 * (64 + 3008)  # sized per collective kind, not 4 x the largest
+    assert transport.resident_bytes == 64 + slots_bytes, "the rank's header, then the slots"
     assert _open_segment_descriptors() == [], "the creator's descriptor is closed once every rank has mapped it"
     assert _mapped_segments() == {f"{shm.SEGMENT_NAME}-{pid}" for pid in pids}, "every rank's segment, mapped"
     assert _dev_shm_entries_of(pids) == [], "nothing of this run in /dev/shm"
@@ -111,6 +116,20 @@ def _check_no_rewrite_before_everyone_read(rank: int, world_size: int) -> None:
     assert [block.tolist() for block in second.wait()] == [[100.0 + r] * 5 for r in range(world_size)]
     second.release()
     assert None not in held
+
+    # Ranks in different kinds of collective (a gather here, a reduction there) never move the counters the
+    # other waits on; each names the other's collective at once instead of waiting for the timeout.
+    transport = _create()
+    assert transport is not None
+    ledger = Ledger(["blocks.0", "blocks.1"])
+    start = time.monotonic()
+    with pytest.raises(CollectiveMismatchError, match=r"rank \d is in the (all-gather|reduce-scatter) #1 of unit "):
+        if rank == 0:
+            transport.all_gather([torch.ones(5)], torch.float32, ledger.stamp("all-gather", 20, "blocks.0")).wait()
+        else:
+            grads = [torch.ones(world_size, 5)]
+            transport.reduce_scatter(grads, torch.float32, ledger.stamp("reduce-scatter", 40, "blocks.1")).wait()
+    assert time.monotonic() - start < 10.0
 
 
 def _check_every_rank_agrees_to_fall_back(rank: int, world_size: int) -> None:
@@ -195,3 +214,34 @@ def test_a_rank_killed_during_its_first_forward_leaves_nothing_in_dev_shm(tmp_pa
         run_distributed(_die_during_first_forward, 2, str(tmp_path), timeout=60.0)
     pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
     assert _dev_shm_entries_of(pids) == [], "no segment of the crashed run outlives it"
+
+
+def _exit_quietly_before_the_first_gather(rank: int, world_size: int) -> None:
+    transport = _create()
+    assert transport is not None
+    if rank == 1:  # gone without an error of its own: nothing but its absence tells rank 0
+        os._exit(0)
+    start = time.monotonic()
+    with pytest.raises(PeerExitedError, match=r"rank 1 \(pid \d+\) exited while this rank waited for it"):
+        _gather(1.0, transport).wait()
+    assert time.monotonic() - start < 10.0, "noticed within seconds, not at the process group's timeout"
+    raise RuntimeError("rank 0 saw its peer exit")  # the only way out that the test can tell from a hang
+
+
+def test_a_rank_that_exits_mid_collective_is_named_by_the_one_waiting_for_it() -> None:
+    with pytest.raises(RuntimeError, match="(?s)rank 0 of 2 raised.*rank 0 saw its peer exit"):
+        run_distributed(_exit_quietly_before_the_first_gather, 2, timeout=60.0)
+
+
+def test_waiting_on_counters_names_an_exited_or_zombie_peer_and_times_out() -> None:
+    never = lambda: False  # noqa: E731
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    while peer_wait.process_alive(child.pid):  # exited and not reaped yet: a zombie counts as gone
+        time.sleep(0.01)
+    with pytest.raises(PeerExitedError, match=f"rank 3 \\(pid {child.pid}\\) exited while this rank waited for it"):
+        peer_wait.wait_until(never, {3: child.pid}, "a test", timeout_s=60.0)
+    child.wait()
+    with pytest.raises(TimeoutError, match=r"waited 1 s for ranks \[5\] in a test"):
+        peer_wait.wait_until(never, {5: os.getpid()}, "a test", timeout_s=1.0)
+    flips = iter([False] * 50 + [True])
+    peer_wait.wait_until(lambda: next(flips), {5: os.getpid()}, "a test", timeout_s=1.0)  # returns once ready

@@ -212,9 +212,7 @@ def local_rows(value: Any, param: Tensor, template: Any) -> Any:
     fsdp_param = _per_row(value, param, template)
     if fsdp_param is None:
         return value
-    layout = fsdp_param.layout
-    rows = value.reshape(layout.rows, layout.row_numel)[layout.start : layout.start + layout.local_rows]
-    return template.copy_(rows.reshape(template.shape))
+    return template.copy_(fsdp_param.layout.local_rows_of(value).reshape(template.shape))
 
 
 def _per_row(value: Any, param: Tensor, template: Any) -> FSDPParam | None:

@@ -143,6 +143,5 @@ def _copy_rows(target: torch.Tensor, file: Path, key: str) -> None:
             if fsdp_param is not None:  # a 0-dim parameter: its one row lives on the shard group's first rank
                 source = source.reshape(-1)[: target.numel()]
         else:
-            layout = fsdp_param.layout
-            source = handle.get_slice(key)[layout.start : layout.start + layout.local_rows]
+            source = handle.get_slice(key)[fsdp_param.layout.row_range]
         target.copy_(source.reshape(target.shape))

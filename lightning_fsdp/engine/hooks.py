@@ -4,7 +4,8 @@ Read top to bottom, this file is the six stages of DESIGN.md's "One training ste
 
 1. root pre-forward: lazy init (the one place for root-only decisions), unshard the root;
 2. unit pre-forward: unshard (or wait for the prefetched gather), prefetch the next unit in forward order;
-3. unit post-forward: reshard (FULL_SHARD, non-root), hook the outputs so backward announces itself;
+3. unit post-forward: reshard (FULL_SHARD, non-root, not the last unit), hook the outputs so backward announces
+   itself;
 4. unit pre-backward: unshard again, prefetch the unit backward reaches next (BACKWARD_PRE);
 5. unit post-backward, once the unit's whole backward has run: reshard, reduce;
 6. root post-backward, a callback queued on the autograd engine: finish every reduction, reshard what is left.
@@ -18,6 +19,13 @@ manual optimization that step runs backward itself, maybe several times (a GAN: 
 forward is still running when a backward ends must stay gathered: the rest of its forward uses its parameters.
 So post-backward and the final callback leave a unit with ``in_forward`` set gathered (its gradients are reduced
 as usual), and its own post-forward decides as it always does.
+
+[Note: the last unit stays gathered] Backward starts with the unit forward ran last: resharding it after its
+forward, only to gather it again a moment later, costs a whole gather and makes every rank wait for the slowest
+at the very start of backward, for no memory saved (the peak of a step is in backward, where that unit is gathered
+anyway). So once the forward order is known (after the first backward), a training forward leaves the last unit in
+that order gathered, as torchtitan configures torch's FSDP2; backward uses it as it is, and the end of backward
+reshards it with every other unit.
 
 [Note: hooks stay out of compiled graphs] ``torch.compile`` of the whole model would otherwise trace these hooks:
 the gathers, the storage resizes and the unit state machine are Python side effects on tensors whose sizes
@@ -149,6 +157,10 @@ class RootContext:
             self._position[id(unit)] = len(self.forward_order)
             self.forward_order.append(unit)
 
+    def is_backwards_first(self, unit: FSDPUnit) -> bool:
+        """Whether backward will start with ``unit`` (see [Note: the last unit stays gathered])."""
+        return self.order_frozen and bool(self.forward_order) and self.forward_order[-1] is unit
+
     def neighbour(self, unit: FSDPUnit, step: int) -> FSDPUnit | None:
         index = self._position.get(id(unit))
         if index is None or not 0 <= index + step < len(self.forward_order):
@@ -252,7 +264,8 @@ def post_forward(unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) ->
     if unit.is_recomputing:  # backward needs the parameters next
         return output
     unit.end_forward()
-    if unit.options.reshard_after_forward and not unit.is_root:
+    backward_next = torch.is_grad_enabled() and context.is_backwards_first(unit)
+    if unit.options.reshard_after_forward and not unit.is_root and not backward_next:
         unit.reshard()
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if tensors and torch.is_grad_enabled():

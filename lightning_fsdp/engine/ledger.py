@@ -2,15 +2,15 @@
 every rank before the data is trusted.
 
 [Note: collective identity] Ranks must issue the same collectives in the same order. When they do not (a unit run on
-one rank only, a branch taken on some ranks), a shared-memory collective would still complete -- its barriers only
-count calls -- and read whatever the other rank's slot held, and a gloo collective of equal size would complete with
-another unit's data. So every collective of a unit carries a ``Stamp``, and it travels with the data: no collective
-of its own. Over shared memory it is written into the slot's header before the barrier that publishes the data and
-compared with every other rank's header after it. Over gloo and NCCL it is a few extra bytes at the end of what each
-rank sends (``frame``): an all-gather or all-to-all delivers every rank's stamp whole, compared after the wait; a
-summing collective (all-reduce, NCCL's reduce-scatter) delivers the sum, so it carries the stamp's ``digest`` as
-``DIGEST_BITS`` elements of 0 or 1, whose sum is 0 or W on every rank exactly when every rank sent the same bits
-(any disagreeing bit sums to something in between, so every rank sees it).
+one rank only, a branch taken on some ranks), a shared-memory collective would still complete -- its counters only
+count uses of a slot -- and read whatever the other rank's slot held, and a gloo collective of equal size would
+complete with another unit's data. So every collective of a unit carries a ``Stamp``, and it travels with the data:
+no collective of its own. Over shared memory it is written into the slot's header before the counter that publishes
+the data and compared with every other rank's header after it. Over gloo and NCCL it is a few extra bytes at the end
+of what each rank sends (``frame``): an all-gather or all-to-all delivers every rank's stamp whole, compared after
+the wait; a summing collective (all-reduce, NCCL's reduce-scatter) delivers the sum, so it carries the stamp's
+``digest`` as ``DIGEST_BITS`` elements of 0 or 1, whose sum is 0 or W on every rank exactly when every rank sent the
+same bits (any disagreeing bit sums to something in between, so every rank sees it).
 
 A mismatch raises ``CollectiveMismatchError`` on every rank that sees it, naming the units each rank was in. Its
 limit: collectives of different sizes cannot complete over gloo or NCCL, so such a mismatch ends in the backend's

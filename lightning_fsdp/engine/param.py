@@ -55,9 +55,14 @@ class ShardLayout:
     def padded_numel(self) -> int:
         return self.shard_numel * self.world_size
 
+    @property
+    def row_range(self) -> slice:
+        """This rank's rows, to index anything with the parameter's rows on dim 0 (a file's lazy slice, say)."""
+        return slice(self.start, self.start + self.local_rows)
+
     def local_rows_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a tensor of the parameter's full shape, as a (local_rows, row_numel) view."""
-        return full.reshape(self.rows, self.row_numel)[self.start : self.start + self.local_rows]
+        return full.reshape(self.rows, self.row_numel)[self.row_range]
 
     def by_rank(self, full: torch.Tensor) -> torch.Tensor:
         """A tensor of the full shape as (world_size, shard_numel), zero-padded: row r is rank r's padded shard."""

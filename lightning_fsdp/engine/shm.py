@@ -1,30 +1,33 @@
-"""The data of a unit's collectives through shared memory, between the CPU ranks of one host; gloo only synchronises.
+"""The data of a unit's collectives through shared memory, between the CPU ranks of one host, with no message.
 
 [Note: why shared memory on CPU] Over gloo, ranks on one host talk through loopback TCP: every byte is copied into
 the kernel and out again on the CPU cores the ranks compute on. Measured on the 2-core benchmark machine, an
 all-gather of 5.4 MiB per rank (one block of the 25M-parameter demo GPT) takes ~5 ms of CPU time on each rank,
 whether it overlaps compute or not, and a FULL_SHARD step issues 27 such collectives. Through shared memory the
 same all-gather costs two copies the engine makes anyway (packing the shards, copying each parameter's rows out of
-the gathered buffer) plus one small gloo barrier (~0.1 ms of CPU): each rank packs its send buffer straight into
-its own shared segment and, after a barrier, every rank reads every other rank's segment. A reduce-scatter is the
+the gathered buffer) and no message: each rank packs its send buffer straight into its own shared segment and,
+once every rank's counter says its data is there, every rank reads every other rank's segment. A reduce-scatter is the
 same with a sum: each rank packs its (world_size, shard) gradient buffer into its segment and sums row ``rank`` of
 every segment. This is what DeepSpeed's shared-memory all-reduce does for CPU ranks; NCCL does it on one node too.
 
 [Note: slots] Each rank's segment is cut into slots, one per collective in flight, in two sets sized by what each
 collective sends (``SLOTS``): all-gathers send a unit's shard, reductions (reduce-scatters: W shards of gradients;
 all-reduces: the whole gradient) much more. A collective takes the free slot of its set that has been free the
-longest: every rank issues and finishes the engine's collectives in the
-same order, so every rank takes the same slot, which is how readers know where to look. A slot is free again once
-this rank has read the data of its collective (``release``), and is written again only after a second barrier,
-issued at release, says that every other rank has read it too. Taking the longest-free slot rather than the lowest
-gives that barrier time to complete: reusing the slot just released made every rank wait for the slowest reader,
-~10 ms a step of the benchmark model. When every slot of its set is taken, or the collective is larger than a slot,
-it runs over gloo instead (every rank sees the same busy slots, so all of them do); a training step keeps at most
-two gathers and two reductions in flight, and ``summon_full_params`` more.
+longest: every rank issues and finishes the engine's collectives in the same order, so every rank takes the same
+slot, which is how readers know where to look. Every use of a slot has a sequence number, the same on every rank. A
+rank publishes its data by writing that number into the slot's header after the data; readers wait until every
+rank's header shows it (see [Note: counters instead of barriers] in ``peer_wait.py``). A slot is free again once
+this rank has read the data of its collective (``release``, which writes the number into the header's read counter),
+and is written again only after every other rank's read counter says it has read it too. Taking the longest-free
+slot rather than the lowest gives the slowest reader time: reusing the slot just released made every rank wait for
+it, ~10 ms a step of the benchmark model. When every slot of its set is taken, or the collective is larger than a
+slot, it runs over gloo instead (every rank sees the same busy slots, so all of them do); a training step keeps at
+most two gathers and two reductions in flight, and ``summon_full_params`` more.
 
-Barriers are gloo collectives, so a rank that dies makes the others fail with gloo's timeout rather than hang.
-Each slot starts with a header holding the identity of the collective written there (see [Note: collective
-identity] in ``ledger.py``): a rank that entered another collective is named at once instead of read.
+A rank waiting on another notices within a second when that rank has exited, and gives up after the process group's
+timeout: a dead rank never leaves the others hanging. Each slot starts with a header holding the identity of the
+collective written there (see [Note: collective identity] in ``ledger.py``): a rank that entered another collective
+is named at once instead of read.
 Set ``LIGHTNING_FSDP_SHARED_MEMORY=0`` to keep everything on gloo.
 
 [Note: segment lifetime] A segment is an anonymous memory file (``memfd_create``), never a file in ``/dev/shm``:
@@ -40,6 +43,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections import deque
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -47,7 +51,8 @@ from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.gloo import GlooTransport
-from lightning_fsdp.engine.ledger import STAMP_NUMEL, Stamp
+from lightning_fsdp.engine.ledger import STAMP_NUMEL, CollectiveMismatchError, Stamp
+from lightning_fsdp.engine.peer_wait import ORDERED_STORES, int64_words, wait_until
 from lightning_fsdp.engine.transport import Pending, Transport, announce
 
 ENV_SWITCH = "LIGHTNING_FSDP_SHARED_MEMORY"
@@ -62,7 +67,14 @@ def slot_bytes(send_bytes: dict[str, int]) -> dict[str, int]:
 
 
 _ALIGN = 64  # bytes: keeps every slot aligned for vectorised copies of any dtype
-HEADER_BYTES = _ALIGN  # the identity of the collective in the slot (see [Note: collective identity] in ledger.py)
+HEADER_BYTES = _ALIGN  # int64 words: the collective's identity (see [Note: collective identity] in ledger.py), then
+PUBLISHED = STAMP_NUMEL  # the use of the slot whose data this rank has written,
+READ = STAMP_NUMEL + 1  # and the use of the slot whose data this rank has read from every rank
+# Each segment starts with one more header, the rank's: the sequence number of the last collective it published in
+# any slot, and that collective's stamp (see [Note: a rank in another collective]).
+LATEST = 0
+LATEST_STAMP = 1
+DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo, when a group does not say its own
 
 
 def enabled() -> bool:
@@ -119,16 +131,16 @@ class SlotSet:
     """``count`` slots of ``slot_bytes`` (each after a header) starting at byte ``offset`` of every segment.
 
     ``acquire`` and ``release`` are this rank's bookkeeping; see [Note: slots] for why every rank agrees on it.
+    ``last_use[slot]`` is the sequence number of the slot's latest use (0: never used).
     """
 
-    def __init__(self, group: ProcessGroup, offset: int, count: int, slot_bytes: int) -> None:
-        self.group = group
+    def __init__(self, offset: int, count: int, slot_bytes: int) -> None:
         self.offset = offset
         self.count = count
         self.slot_bytes = slot_bytes  # the data a slot holds, after its header
         self.stride = HEADER_BYTES + slot_bytes
         self._free = deque(range(count))  # free slots, the longest free first
-        self._released: list[dist.Work | None] = [None] * count  # the barrier saying every rank has read the slot
+        self.last_use = [0] * count
 
     @property
     def nbytes(self) -> int:
@@ -138,16 +150,10 @@ class SlotSet:
         """The slot for the next collective, or None: it does not fit, or every slot is in flight (use gloo)."""
         if nbytes > self.slot_bytes or not self._free:
             return None
-        slot = self._free.popleft()
-        released = self._released[slot]
-        if released is not None:  # everyone must have read what this slot held before we overwrite it
-            released.wait()
-            self._released[slot] = None
-        return slot
+        return self._free.popleft()
 
     def release(self, slot: int) -> None:
         """This rank has read what it needed from every rank's ``slot``; the slot is written again after all have."""
-        self._released[slot] = dist.barrier(group=self.group, async_op=True)
         self._free.append(slot)
 
     def start(self, slot: int) -> int:
@@ -163,22 +169,33 @@ class SharedMemoryTransport(Transport):
 
     name = "shared memory"
 
-    def __init__(self, group: ProcessGroup, send_bytes: dict[str, int], segments: list[torch.Tensor]) -> None:
+    def __init__(
+        self, group: ProcessGroup, send_bytes: dict[str, int], segments: list[torch.Tensor], pids: list[int]
+    ) -> None:
         super().__init__(group)
         self.segments = segments  # uint8, one per rank of the group, in group rank order (this rank's own too)
+        self.words = [int64_words(segment) for segment in segments]
+        self.peers = {rank: pid for rank, pid in enumerate(pids) if rank != self.rank}  # who a wait may wait on
+        self.timeout_s = _timeout_of(group).total_seconds()
+        self.sequence = 0  # uses of any slot so far: the same on every rank
         self.slots: dict[str, SlotSet] = {}
-        offset = 0
+        offset = HEADER_BYTES  # after the rank's header
         for kind, nbytes in slot_bytes(send_bytes).items():
-            self.slots[kind] = SlotSet(group, offset, SLOTS[kind], nbytes)
+            self.slots[kind] = SlotSet(offset, SLOTS[kind], nbytes)
             offset += self.slots[kind].nbytes
         self.fallback = GlooTransport(group)
-        for slots in self.slots.values():  # no collective in any slot yet (the first header held the creation token)
+        self.words[self.rank][LATEST] = 0  # it held the creation token
+        for slots in self.slots.values():  # no collective in any slot yet
             for slot in range(slots.count):
                 self._header(slots, self.rank, slot).fill_(-1)
+                self._set(slots, slot, PUBLISHED, 0)
+                self._set(slots, slot, READ, 0)
+        dist.barrier(group=group)  # every header is cleared before any rank reads another's
 
     @staticmethod
     def segment_bytes(send_bytes: dict[str, int]) -> int:
-        return sum(SLOTS[kind] * (HEADER_BYTES + nbytes) for kind, nbytes in slot_bytes(send_bytes).items())
+        slots = sum(SLOTS[kind] * (HEADER_BYTES + nbytes) for kind, nbytes in slot_bytes(send_bytes).items())
+        return HEADER_BYTES + slots
 
     @property
     def resident_bytes(self) -> int:
@@ -199,6 +216,8 @@ class SharedMemoryTransport(Transport):
         """
         if dist.get_backend(group) != dist.Backend.GLOO:
             return None, f"shared memory needs a gloo group, not {dist.get_backend(group)}"
+        if not ORDERED_STORES:  # every rank runs on the same machine type, or none shares memory with another
+            return None, "shared memory needs x86-64's store ordering (see [Note: counters instead of barriers])"
         wanted = SharedMemoryTransport.segment_bytes(send_bytes)
         token = uuid.uuid4().bytes
         fd = _reserve(wanted) if enabled() else None
@@ -224,7 +243,9 @@ class SharedMemoryTransport(Transport):
                 os.close(fd)
         if not all(agreed):
             return None, "some ranks cannot map the others' memory (other hosts or pid namespaces)"
-        return SharedMemoryTransport(group, send_bytes, segments), "every rank maps every other rank's memory"
+        pids = [int(path.split("/")[2]) for path, _, _ in offers]
+        transport = SharedMemoryTransport(group, send_bytes, segments, pids)
+        return transport, "every rank maps every other rank's memory"
 
     # ----- slots -------------------------------------------------------------------------------------------------
 
@@ -237,21 +258,95 @@ class SharedMemoryTransport(Transport):
         start = slots.start(slot)
         return self.segments[rank][start : start + STAMP_NUMEL * 8].view(torch.int64)
 
+    def _set(self, slots: SlotSet, slot: int, counter: int, value: int) -> None:
+        """Write one of this rank's counters of ``slot`` (``PUBLISHED`` or ``READ``)."""
+        self.words[self.rank][slots.start(slot) // 8 + counter] = value
+
+    def _await_peers(
+        self, slots: SlotSet, slot: int, counter: int, value: int, sequence: int, stamp: Stamp | None, what: str
+    ) -> None:
+        """Wait until every other rank's ``counter`` of ``slot`` has reached ``value``, on the way to collective
+        number ``sequence``: a rank that published that number while its counter lags is in another collective.
+
+        [Note: a rank in another collective] A rank that published collective number ``sequence`` somewhere else
+        (a reduction while this rank gathers, say) would never move the counter waited on: waiting would end only
+        at the timeout. Each rank's header says the last number it published, written after its slot's counters and
+        read here before them, so a rank whose header has reached ``sequence`` while the counter has not is in
+        another collective, and is named at once. (Ranks in step never show that: a rank publishes number
+        ``sequence`` only after the counters this rank waits on for it have moved.)
+        """
+        index = slots.start(slot) // 8 + counter
+
+        def arrived() -> bool:
+            done = True
+            for rank in self.peers:
+                words = self.words[rank]
+                latest = words[LATEST]
+                if words[index] >= value:
+                    continue
+                if latest >= sequence:
+                    self._mismatch(rank, stamp)
+                done = False
+            return done
+
+        wait_until(arrived, self.peers, what, self.timeout_s)
+
+    def _take(self, slots: SlotSet, nbytes: int, stamp: Stamp | None) -> tuple[int, int] | None:
+        """A free slot for the next collective and the sequence number of this use; None: use gloo instead.
+
+        The slot is written only once every rank has read its previous use.
+        """
+        slot = slots.acquire(nbytes)
+        if slot is None:
+            return None
+        sequence = self.sequence + 1
+        what = "a shared-memory collective (its slot's readers)"
+        self._await_peers(slots, slot, READ, slots.last_use[slot], sequence, stamp, what)
+        self.sequence = slots.last_use[slot] = sequence
+        return slot, sequence
+
+    def _release(self, slots: SlotSet, slot: int, sequence: int) -> None:
+        """This rank has read every rank's data of this use of ``slot``."""
+        self._set(slots, slot, READ, sequence)
+        slots.release(slot)
+
     def stamp(self, slots: SlotSet, slot: int, stamp: Stamp | None) -> None:
         """Write the identity of the collective this rank is about to publish in ``slot`` into its header."""
         if stamp is not None:
             self._header(slots, self.rank, slot).copy_(stamp.as_tensor())
 
     def verify(self, slots: SlotSet, slot: int, stamp: Stamp | None) -> None:
-        """After the publishing barrier: every rank's header of ``slot`` must hold this rank's stamp."""
+        """Once every rank has published ``slot``: every rank's header of it must hold this rank's stamp."""
         if stamp is not None:
             headers = [self._header(slots, rank, slot) for rank in range(self.world_size)]
             stamp.verify(torch.stack(headers), self.group)
 
-    def _publish(self, slots: SlotSet, slot: int, stamp: Stamp | None) -> dist.Work:
-        """After writing this rank's slot: the barrier that, once complete, says every rank has written its own."""
+    def _publish(self, slots: SlotSet, slot: int, sequence: int, stamp: Stamp | None) -> None:
+        """After writing this rank's data into ``slot``: its identity, the counter that announces both, and then the
+        rank's header (in this order: see [Note: a rank in another collective])."""
         self.stamp(slots, slot, stamp)
-        return dist.barrier(group=self.group, async_op=True)
+        self._set(slots, slot, PUBLISHED, sequence)
+        words = self.words[self.rank]
+        for i, value in enumerate(stamp.values() if stamp is not None else [-1] * STAMP_NUMEL):
+            words[LATEST_STAMP + i] = value
+        words[LATEST] = sequence
+
+    def _await_published(self, slots: SlotSet, slot: int, sequence: int, stamp: Stamp | None) -> None:
+        """Wait until every rank has published this use of ``slot``, and check they all ran the same collective."""
+        what = "a shared-memory collective (its data)"
+        self._await_peers(slots, slot, PUBLISHED, sequence, sequence, stamp, what)
+        self.verify(slots, slot, stamp)
+
+    def _mismatch(self, rank: int, stamp: Stamp | None) -> None:
+        """``rank`` published this collective's number in another slot: raise, naming the collective it is in."""
+        theirs = list(self.words[rank][LATEST_STAMP : LATEST_STAMP + STAMP_NUMEL])
+        if stamp is None:
+            raise CollectiveMismatchError(
+                f"ranks entered different collectives: rank {rank} of the group is in another shared-memory "
+                f"collective than rank {self.rank}."
+            )
+        stamps = torch.tensor([theirs if r == rank else stamp.values() for r in range(self.world_size)])
+        stamp.verify(stamps, self.group)
 
     # ----- the collectives ---------------------------------------------------------------------------------------
 
@@ -260,45 +355,45 @@ class SharedMemoryTransport(Transport):
     ) -> Pending[list[torch.Tensor]]:
         numel = sum(shard.numel() for shard in shards)
         slots = self.slots["all_gather"]
-        slot = slots.acquire(numel * dtype.itemsize)
-        if slot is None:
+        taken = self._take(slots, numel * dtype.itemsize, stamp)
+        if taken is None:
             return self.fallback.all_gather(shards, dtype, stamp)
+        slot, sequence = taken
         send = self.view(slots, self.rank, slot, numel, dtype)
         collectives.pack([shard.reshape(-1) for shard in shards], send)
         announce("all_gather", "shm::all_gather", send, self.world_size)
-        written = self._publish(slots, slot, stamp)
+        self._publish(slots, slot, sequence, stamp)
 
         def finish() -> list[torch.Tensor]:
-            written.wait()
-            self.verify(slots, slot, stamp)
+            self._await_published(slots, slot, sequence, stamp)
             return [self.view(slots, rank, slot, numel, dtype) for rank in range(self.world_size)]
 
-        return Pending(finish, lambda: slots.release(slot))
+        return Pending(finish, lambda: self._release(slots, slot, sequence))
 
     def reduce_scatter(
         self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:
         world_size, columns = self.world_size, sum(grad.size(1) for grad in grads)
         slots = self.slots["reduce"]
-        slot = slots.acquire(world_size * columns * dtype.itemsize)
-        if slot is None:
+        taken = self._take(slots, world_size * columns * dtype.itemsize, stamp)
+        if taken is None:
             return self.fallback.reduce_scatter(grads, dtype, stamp, divide_by)
+        slot, sequence = taken
         send = self.view(slots, self.rank, slot, world_size * columns, dtype).view(world_size, columns)
         collectives.pack(grads, send)
         if divide_by is not None:
             send.div_(divide_by)
         announce("reduce_scatter", "shm::reduce_scatter", send, world_size)
-        written = self._publish(slots, slot, stamp)
+        self._publish(slots, slot, sequence, stamp)
 
         def finish() -> torch.Tensor:
-            written.wait()
-            self.verify(slots, slot, stamp)
+            self._await_published(slots, slot, sequence, stamp)
             rows = [
                 self.view(slots, rank, slot, world_size * columns, dtype).view(world_size, columns)[self.rank]
                 for rank in range(world_size)
             ]
             result = collectives.sum_rows(rows)  # never aliases the slot: it becomes the parameters' .grad
-            slots.release(slot)
+            self._release(slots, slot, sequence)
             return result
 
         return Pending(finish)
@@ -308,21 +403,29 @@ class SharedMemoryTransport(Transport):
     ) -> Pending[torch.Tensor]:
         numel = sum(grad.numel() for grad in grads)
         slots = self.slots["reduce"]
-        slot = slots.acquire(numel * dtype.itemsize)
-        if slot is None:
+        taken = self._take(slots, numel * dtype.itemsize, stamp)
+        if taken is None:
             return self.fallback.all_reduce(grads, dtype, stamp, divide_by)
+        slot, sequence = taken
         send = self.view(slots, self.rank, slot, numel, dtype)
         collectives.pack(grads, send)
         if divide_by is not None:
             send.div_(divide_by)
         announce("all_reduce", "shm::all_reduce", send, self.world_size)
-        written = self._publish(slots, slot, stamp)
+        self._publish(slots, slot, sequence, stamp)
 
         def finish() -> torch.Tensor:
-            written.wait()
-            self.verify(slots, slot, stamp)
+            self._await_published(slots, slot, sequence, stamp)
             result = collectives.sum_rows([self.view(slots, r, slot, numel, dtype) for r in range(self.world_size)])
-            slots.release(slot)
+            self._release(slots, slot, sequence)
             return result
 
         return Pending(finish)
+
+
+def _timeout_of(group: ProcessGroup) -> timedelta:
+    """The timeout ``group`` was created with (what its gloo collectives wait at most), read from its gloo backend."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):  # a torch that keeps it elsewhere
+        return DEFAULT_TIMEOUT

@@ -241,7 +241,7 @@ def test_waiting_on_counters_names_an_exited_or_zombie_peer_and_times_out() -> N
     with pytest.raises(PeerExitedError, match=f"rank 3 \\(pid {child.pid}\\) exited while this rank waited for it"):
         peer_wait.wait_until(never, {3: child.pid}, "a test", timeout_s=60.0)
     child.wait()
-    with pytest.raises(TimeoutError, match=r"waited 1 s for ranks \[5\] in a test"):
+    with pytest.raises(TimeoutError, match=r"Timed out after 1 s waiting for ranks \[5\] in a test"):
         peer_wait.wait_until(never, {5: os.getpid()}, "a test", timeout_s=1.0)
     flips = iter([False] * 50 + [True])
     peer_wait.wait_until(lambda: next(flips), {5: os.getpid()}, "a test", timeout_s=1.0)  # returns once ready

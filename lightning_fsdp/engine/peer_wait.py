@@ -74,8 +74,9 @@ def wait_until(ready: Callable[[], bool], waiting_on: dict[int, int], what: str,
             _check_alive(waiting_on, what)
             if now - start > timeout_s:
                 raise TimeoutError(
-                    f"waited {timeout_s:.0f} s for ranks {sorted(waiting_on)} in {what}; they are alive but never got "
-                    "there: every rank must run the same units in the same order (or raise the process group timeout)."
+                    f"Timed out after {timeout_s:.0f} s waiting for ranks {sorted(waiting_on)} in {what}: they are "
+                    "alive but never got there; every rank must run the same units in the same order (or raise the "
+                    "process group's timeout)."
                 )
         time.sleep(min((now - start) * SLEEP_FRACTION, MAX_SLEEP_S))
 

@@ -9,7 +9,8 @@
 What a user of the strategy gets, end to end: ``LitGPT`` (``lightning_fsdp.demos.lit_gpt``, the GPT built in
 ``configure_model``) on ``CharDataModule``, under ``Trainer(strategy=FSDPStrategy(auto_wrap_policy={Block}))``
 ("myfsdp"), under ``Trainer(strategy="myfsdp")`` with no argument at all ("myfsdp_default": the strategy finds the
-GPT's blocks itself) and under ``Trainer(strategy="ddp")``. Everything Lightning adds on top of
+GPT's blocks itself), the same with ``forward_prefetch=True`` ("myfsdp_prefetch") and under
+``Trainer(strategy="ddp")``. Everything Lightning adds on top of
 ``bench_engine.py`` is included: ``configure_model`` (on the CPU, as under Lightning's FSDP), the precision plugin,
 gradient clipping through the Trainer, hooks and logging, the ``DistributedSampler``.
 
@@ -68,7 +69,7 @@ from lightning_fsdp.demos.gpt import Block  # noqa: E402
 from lightning_fsdp.demos.lit_gpt import LitGPT  # noqa: E402
 from lightning_fsdp.process_exit import exit_now  # noqa: E402
 
-IMPLS = ("ddp", "myfsdp", "myfsdp_default")
+IMPLS = ("ddp", "myfsdp", "myfsdp_default", "myfsdp_prefetch")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,6 +145,7 @@ def run_one(args: argparse.Namespace) -> None:
         "ddp": "ddp",
         "myfsdp": FSDPStrategy(auto_wrap_policy={Block}),
         "myfsdp_default": "myfsdp",
+        "myfsdp_prefetch": FSDPStrategy(forward_prefetch=True),  # the default units, the next one gathered ahead
     }
     strategy = strategies[args.impl]
     recorder = StepRecorder()

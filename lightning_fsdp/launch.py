@@ -117,8 +117,19 @@ class _AdoptedLauncherState:
 def _run_in_launcher_state(
     rank: int, launcher: _AdoptedLauncherState, fn: Callable[..., Any], args: tuple[Any, ...]
 ) -> None:
+    """Run ``fn`` as the launcher would have; a ``sys.exit`` with an error status is reported like an exception.
+
+    torch's rank wrapper writes the traceback of an ``Exception`` only: a rank leaving through ``SystemExit``
+    (argparse, a library's fatal-error path) would otherwise be reported as "exited with code 1", with nothing
+    to say where.
+    """
     launcher.apply()
-    fn(rank, *args)
+    try:
+        fn(rank, *args)
+    except SystemExit as exit_:
+        if exit_.code in (None, 0):
+            raise
+        raise RuntimeError(f"rank {rank} called sys.exit({exit_.code!r})") from exit_
 
 
 def _failure_report(context: mp.ProcessContext) -> str:

@@ -30,6 +30,16 @@ def _rank_one_raises(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+def _leave_with_an_error_status() -> None:
+    sys.exit(3)  # as argparse or a library's fatal-error path does
+
+
+def _rank_one_exits(rank: int, world_size: int) -> None:
+    if rank == 1:
+        _leave_with_an_error_status()
+    dist.barrier()
+
+
 def _rank_one_is_killed(rank: int, world_size: int) -> None:
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer would
@@ -75,6 +85,14 @@ def test_a_rank_that_raises_fails_fast_with_its_traceback() -> None:
     assert "ValueError: boom" in message
     assert "_rank_one_raises" in message  # the rank's own traceback, not only the exception text
     assert time.monotonic() - start < 60.0
+
+
+def test_a_rank_that_calls_sys_exit_fails_fast_with_where_it_did() -> None:
+    with pytest.raises(RuntimeError, match=r"^rank 1 of 2 raised:") as info:
+        run_distributed(_rank_one_exits, 2, timeout=120.0)
+    message = str(info.value)
+    assert "rank 1 called sys.exit(3)" in message
+    assert "_leave_with_an_error_status" in message  # the traceback of the SystemExit itself
 
 
 def test_a_rank_killed_by_a_signal_fails_fast() -> None:

@@ -224,13 +224,6 @@ def _timed(record: dict[str, Any], warmup: int) -> list[float]:
 
 
 def report(summaries: dict[str, dict[str, Any]], args: argparse.Namespace, num_params: int) -> list[str]:
-    lines = [
-        f"Trainer level: LitGPT {num_params / 1e6:.1f}M params (n_layer={args.n_layer} n_embd={args.n_embd} "
-        f"n_head={args.n_head} block={args.block_size}), batch {args.batch_size}/rank, 2 CPU processes, "
-        f"{args.threads} thread(s) each, fp32; {args.rounds} rounds x ({args.warmup} warmup + {args.steps} timed) "
-        "steps",
-        f"{'':24s}" + "".join(f"{impl:>16s}" for impl in summaries),
-    ]
     rows: list[tuple[str, Any]] = [
         ("step time (median)", lambda s: f"{s['step_time_median_s'] * 1e3:.0f} ms"),
         ("step time (min)", lambda s: f"{s['step_time_min_s'] * 1e3:.0f} ms"),
@@ -240,8 +233,16 @@ def report(summaries: dict[str, dict[str, Any]], args: argparse.Namespace, num_p
         ("peak RSS (median)", lambda s: f"{s['peak_rss_median_bytes'] / 2**20:.0f} MiB"),
         ("final loss", lambda s: f"{s['loss_curve'][-1]:.5f}"),
     ]
-    for title, cell in rows:
-        lines.append(f"{title:24s}" + "".join(f"{cell(s):>16s}" for s in summaries.values()))
+    cells = {title: [cell(s) for s in summaries.values()] for title, cell in rows}
+    width = 2 + max(16, *(len(text) for column in cells.values() for text in column))  # run medians grow with rounds
+    lines = [
+        f"Trainer level: LitGPT {num_params / 1e6:.1f}M params (n_layer={args.n_layer} n_embd={args.n_embd} "
+        f"n_head={args.n_head} block={args.block_size}), batch {args.batch_size}/rank, 2 CPU processes, "
+        f"{args.threads} thread(s) each, fp32; {args.rounds} rounds x ({args.warmup} warmup + {args.steps} timed) "
+        "steps",
+        f"{'':24s}" + "".join(f"{impl:>{width}s}" for impl in summaries),
+    ]
+    lines += [f"{title:24s}" + "".join(f"{text:>{width}s}" for text in column) for title, column in cells.items()]
     ours_impls = [impl for impl in summaries if impl != "ddp"]
     if "ddp" in summaries and ours_impls:
         ddp = summaries["ddp"]

@@ -19,9 +19,11 @@ Why it is built this way:
   losses must agree; a disagreement is printed as a WARNING line because it means one of them is wrong.
 - Implementations are interleaved round by round (ours, fsdp2, ddp, ours, fsdp2, ddp, ...): the machine is
   shared, and noise that comes and goes then hits all of them alike instead of whichever ran during it.
-- Without torchrun, each (round, implementation) runs in freshly spawned processes. ``ru_maxrss`` is a
-  process-lifetime peak, so only a fresh process gives each implementation its own peak. Under torchrun all
-  of them share the processes and the reported peak RSS is the running peak (marked "not isolated").
+- Without torchrun, each (round, implementation) runs in fresh processes, forked from a server that imported
+  torch once (``lightning_fsdp.launch``). ``ru_maxrss`` is a process-lifetime peak, so only a fresh process gives
+  each implementation its own peak; all of them start from the server's memory, which the baseline row removes.
+  Under torchrun all of them share the processes and the reported peak RSS is the running peak (marked "not
+  isolated").
 - Step time is per step the slowest rank's wall time (collectives make the ranks wait for each other anyway),
   and the median over all timed steps of all rounds.
 - Memory is counted, not sampled: after a step (gradients still alive), the distinct storages behind the

@@ -1,4 +1,4 @@
-"""Running rounds: each (round, implementation) in freshly spawned ranks, or all of them inside torchrun's."""
+"""Running rounds: each (round, implementation) in fresh ranks, or all of them inside torchrun's."""
 
 from __future__ import annotations
 

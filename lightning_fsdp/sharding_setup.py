@@ -72,7 +72,7 @@ class ShardedModelSetup(ABC):
         state_dict_type: str,
         device_mesh: tuple[int, int] | DeviceMesh | None,
         backward_prefetch: str | Enum | None,
-        forward_prefetch: bool | None,
+        forward_prefetch: bool,
         limit_all_gathers: bool,
         sync_module_states: bool,
         param_init_fn: Callable[[nn.Module], None] | None,
@@ -114,7 +114,7 @@ class ShardedModelSetup(ABC):
             raise ValueError(f"param_init_fn must be a callable taking a module, got {param_init_fn!r}.")
         self.param_init_fn = param_init_fn
         self.cpu_offload = parse_cpu_offload(cpu_offload)
-        self.forward_prefetch = None if forward_prefetch is None else flag("forward_prefetch", forward_prefetch)
+        self.forward_prefetch = flag("forward_prefetch", forward_prefetch)
         self.limit_all_gathers = flag("limit_all_gathers", limit_all_gathers)
         self.sync_module_states = flag("sync_module_states", sync_module_states)
         self.use_orig_params = flag("use_orig_params", use_orig_params)

@@ -112,8 +112,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         device_mesh: ``(replicate, shard)`` sizes, or a 2-D ``DeviceMesh``, for ``HYBRID_SHARD`` only; by default
             shard within a node and replicate across nodes.
         backward_prefetch: ``"BACKWARD_PRE"``, ``"BACKWARD_POST"`` or None.
-        forward_prefetch: gather the next unit in forward order ahead of time; None (the default): over gloo
-            only, where it hides the gather (Lightning's default, False, never prefetches).
+        forward_prefetch: gather the next unit in forward order ahead of time.
         limit_all_gathers: at most two units gathered ahead of their use.
         sync_module_states: broadcast rank 0's parameters and buffers at setup.
         param_init_fn: initializes a module materialized from the meta device, instead of its
@@ -159,7 +158,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         state_dict_type: Literal["full", "sharded"] = "full",
         device_mesh: tuple[int, int] | DeviceMesh | None = None,
         backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] | Enum | None = "BACKWARD_PRE",
-        forward_prefetch: bool | None = None,
+        forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
         sync_module_states: bool = False,
         param_init_fn: Callable[[nn.Module], None] | None = None,

@@ -14,7 +14,6 @@ from lightning_fsdp.demos.gpt import GPT, Block
 from lightning_fsdp.engine import shm
 from lightning_fsdp.engine.comm_stats import CollectiveCounter
 from lightning_fsdp.engine.ledger import DIGEST_BITS, STAMP_BYTES
-from lightning_fsdp.engine.registry import unit_of
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT, data_moving, initialize, reduce_scatter_kind
 
@@ -101,34 +100,6 @@ def _check_counts(rank: int, world_size: int, shared_memory: bool) -> None:
                 sizes = {e.group_size for e in counter.events}
                 assert sizes == {world_size}, f"[{label}] collectives ran on groups of sizes {sizes}"
     _check_labels_and_log_lines(world_size, shared_memory, batch)
-    _check_forward_prefetch_follows_the_transport(shared_memory, batch)
-
-
-def _next_block_gathered_in_forward(
-    forward_prefetch: bool | None, batch: tuple[torch.Tensor, torch.Tensor]
-) -> list[bool]:
-    """Per step of two, whether block 1 was gathered (or in flight) when block 0's forward ran."""
-    torch.manual_seed(0)
-    model = fully_shard(GPT(TINY_GPT), {Block}, forward_prefetch=forward_prefetch)
-    next_block = unit_of(model.blocks[1])
-    seen: list[bool] = []
-    model.blocks[0].ln_1.register_forward_pre_hook(
-        lambda *_: seen.append(any(p.is_unsharded_allocated for p in next_block.params))
-    )
-    for _ in range(2):  # the first step records the forward order; the second may prefetch by it
-        model(*batch).backward()
-    return seen
-
-
-def _check_forward_prefetch_follows_the_transport(
-    shared_memory: bool, batch: tuple[torch.Tensor, torch.Tensor]
-) -> None:
-    """Unless asked, a forward gathers the next block ahead over gloo only (see [Note: forward prefetch by transport]
-    in transport.py); asked, it does what it is told on either transport."""
-    for asked, expected in ((None, not shared_memory), (True, True), (False, False)):
-        seen = _next_block_gathered_in_forward(asked, batch)
-        label = f"forward_prefetch={asked} over {'shared memory' if shared_memory else 'gloo'}"
-        assert seen == [False, expected], f"[{label}] block 1 gathered during block 0's forward, per step: {seen}"
 
 
 PHASES = {

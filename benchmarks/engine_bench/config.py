@@ -63,9 +63,8 @@ class BenchArgs:
     # One more untimed step under the profiler's memory events, for the step's peak (--largest uses it).
     peak: bool = False
     # Gather the next block during this one's forward: ours with forward_prefetch=True, FSDP2 with
-    # set_modules_to_forward_prefetch (each its documented way). False: ours never does; None: each its default
-    # (ours over gloo only, see [Note: forward prefetch by transport]; FSDP2 not on CPU).
-    forward_prefetch: bool | None = None
+    # set_modules_to_forward_prefetch (each its documented way); off by default in both.
+    forward_prefetch: bool = False
     # The sharding units: every Block, or every Block's attention and MLP (smaller units, less gathered at once).
     wrap: str = "block"
     # torch.compile the whole (parallelised) model with this backend; None: eager.
@@ -109,12 +108,8 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
     )
     parser.add_argument(
         "--forward-prefetch",
-        nargs="?",
-        choices=["on", "off"],
-        const="on",
-        default=None,
-        help="prefetch the next block's parameters in forward: 'on' (alone too) in ours and in fsdp2, 'off' in ours; "
-        "by default each does as it does by default (ours over gloo only, fsdp2 not on CPU)",
+        action="store_true",
+        help="prefetch the next block's parameters in forward, in ours and in fsdp2 (off by default in both)",
     )
     parser.add_argument(
         "--wrap",
@@ -202,7 +197,7 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         largest=ns.largest,
         budget_mib=ns.budget_mib,
         from_json=tuple(ns.from_json),
-        forward_prefetch=None if ns.forward_prefetch is None else ns.forward_prefetch == "on",
+        forward_prefetch=ns.forward_prefetch,
         wrap=ns.wrap,
         compile=ns.compile,
         transport=ns.transport,

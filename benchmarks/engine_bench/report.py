@@ -84,9 +84,7 @@ def report(summaries: dict[str, dict[str, Any]], args: BenchArgs, rss_isolated: 
             f"gloo ranks, {args.threads} thread(s) each, {args.precision}, ours over {args.transport}; "
             f"{args.rounds} rounds x "
             f"({args.warmup} warmup + {args.steps} timed) steps"
-            + {True: "; forward prefetch on (ours and fsdp2)", False: "; forward prefetch off (ours)"}.get(
-                args.forward_prefetch, ""
-            )
+            + ("; forward prefetch on (ours and fsdp2)" if args.forward_prefetch else "")
         )
     # Under torchrun the implementations share processes: the peak is whichever came first's, so no ratio.
     rss_note = "" if rss_isolated else " (not isolated)"

@@ -31,7 +31,7 @@ def fully_shard(
     process_group: ProcessGroup | None = None,
     device_mesh: DeviceMesh | tuple[int, int] | None = None,
     backward_prefetch: str | BackwardPrefetch | None = "BACKWARD_PRE",
-    forward_prefetch: bool | None = None,
+    forward_prefetch: bool = False,
     limit_all_gathers: bool = True,
     mixed_precision: MixedPrecision | None = None,
     cpu_offload: bool = False,
@@ -59,9 +59,7 @@ def fully_shard(
         device_mesh: HYBRID_SHARD only: a 2-D DeviceMesh (replicate, shard) or its sizes.
         backward_prefetch: gather the unit backward reaches next when the current one's backward starts
             (``"BACKWARD_PRE"``) or ends (``"BACKWARD_POST"``); None to gather on demand.
-        forward_prefetch: gather the next unit of the forward order (recorded in the first step) ahead of time;
-            None: where the transport gains from it (over gloo, not through shared memory or on CUDA; see
-            [Note: forward prefetch by transport] in ``engine/transport.py``).
+        forward_prefetch: gather the next unit of the forward order (recorded in the first step) ahead of time.
         limit_all_gathers: allow at most two units to be gathered ahead of their use.
         mixed_precision: dtypes for the gathered parameters, the gradient reduction and the buffers; the shards
             (the optimizer's master weights) keep their own dtype.

@@ -34,7 +34,6 @@ class GlooTransport(Transport):
     """All-gather and all-to-all over gloo's worker threads, which overlap the training thread's compute."""
 
     name = "gloo"
-    prefetch_in_forward = True  # see [Note: forward prefetch by transport] in transport.py
 
     def all_gather(
         self, shards: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None

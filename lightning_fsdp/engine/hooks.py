@@ -161,14 +161,6 @@ class RootContext:
         """Whether backward will start with ``unit`` (see [Note: the last unit stays gathered])."""
         return self.order_frozen and bool(self.forward_order) and self.forward_order[-1] is unit
 
-    def prefetches_forward(self, unit: FSDPUnit) -> bool:
-        """Whether ``unit``'s forward gathers the next unit ahead: as asked, or where its transport gains from it
-        (see [Note: forward prefetch by transport]); only once the forward order is known."""
-        if not self.order_frozen:
-            return False
-        asked = unit.options.forward_prefetch
-        return asked if asked is not None else unit.transport().prefetch_in_forward
-
     def neighbour(self, unit: FSDPUnit, step: int) -> FSDPUnit | None:
         index = self._position.get(id(unit))
         if index is None or not 0 <= index + step < len(self.forward_order):
@@ -241,7 +233,7 @@ def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) ->
     unit.begin_forward(records_grads=torch.is_grad_enabled())
     if torch.is_grad_enabled():
         context.record_forward(unit)
-    forward_next = context.neighbour(unit, +1) if context.prefetches_forward(unit) else None
+    forward_next = context.neighbour(unit, +1) if unit.options.forward_prefetch and context.order_frozen else None
     context.unshard_for_use(unit, forward_next)
     if torch.is_grad_enabled():
         unit.hook_trainable_params(lambda _param: on_grad_accumulated(unit))

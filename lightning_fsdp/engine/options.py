@@ -129,7 +129,7 @@ class ShardingOptions:
 
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
-    forward_prefetch: bool | None = None  # None: as the transport says (see [Note: forward prefetch by transport])
+    forward_prefetch: bool = False
     limit_all_gathers: bool = True
     mixed_precision: MixedPrecision = MixedPrecision()
     cpu_offload: bool = False
@@ -138,7 +138,7 @@ class ShardingOptions:
     def parse(
         sharding_strategy: str | ShardingStrategy,
         backward_prefetch: str | BackwardPrefetch | None,
-        forward_prefetch: bool | None,
+        forward_prefetch: bool,
         limit_all_gathers: bool,
         mixed_precision: object,
         cpu_offload: object,
@@ -146,7 +146,7 @@ class ShardingOptions:
         return ShardingOptions(
             parse_sharding_strategy(sharding_strategy),
             parse_backward_prefetch(backward_prefetch),
-            None if forward_prefetch is None else bool(forward_prefetch),
+            bool(forward_prefetch),
             bool(limit_all_gathers),
             MixedPrecision.coerce(mixed_precision) or MixedPrecision(),
             parse_cpu_offload(cpu_offload),

@@ -16,14 +16,6 @@ What a collective's ``wait`` returns:
 - ``reduce_scatter(grads)``: this rank's row of the sum over ranks, a 1-D tensor of its own (it becomes ``.grad``).
 - ``all_reduce(grads)``: the sum over ranks of the packed tensors, a 1-D tensor of its own.
 
-[Note: forward prefetch by transport] Unless the user says (``forward_prefetch``), a unit's forward gathers the next
-unit ahead where the transport gains from it (``prefetch_in_forward``). Over gloo the bytes move on gloo's worker
-threads while the training thread computes, so a gather issued one unit early is hidden, and one issued at use is
-waited for whole: measured on the benchmark model (2 CPU ranks, gloo only), 8% less step time with it. Through
-shared memory a gather is copies the waiting rank makes itself, so issuing it early hides nothing (measured: within
-the noise), and it keeps one more unit gathered; on CUDA the CPU runs ahead of the GPU, which already issues the
-next gather during the current unit's compute, as torch's FSDP2 relies on.
-
 Each transport owns the buffer pool of its temporaries (see [Note: why pool on CPU] in ``buffers.py``) and carries
 every collective's ``Stamp`` with its data (see [Note: collective identity] in ``ledger.py``). Collectives whose data
 never reaches a ``torch.distributed`` op (shared memory) are announced to the hooks of ``add_collective_hook``, which
@@ -106,7 +98,6 @@ class Transport(ABC):
     """
 
     name = "one rank"
-    prefetch_in_forward = False  # see [Note: forward prefetch by transport]
 
     def __init__(self, group: ProcessGroup | None) -> None:
         self.group = group

@@ -109,7 +109,7 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         state_dict_type: Literal["full", "sharded"] = "sharded",
         device_mesh: tuple[int, int] | DeviceMesh | None = None,
         backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] | Enum | None = "BACKWARD_PRE",
-        forward_prefetch: bool | None = None,
+        forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
         sync_module_states: bool = False,
         param_init_fn: Callable[[nn.Module], None] | None = None,

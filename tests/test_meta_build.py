@@ -1,11 +1,13 @@
 """The opt-in meta-device build is exact: tied parameters get the init an eager build gives them (whichever owner
-created them), and a ``load_state_dict`` into meta parameters is refused instead of silently doing nothing.
+created them), a ``load_state_dict`` into meta parameters is refused instead of silently doing nothing, and a tensor
+no initialiser writes (a buffer computed at ``__init__``, say) is refused or named, never left as garbage.
 
 In-process: materialization is a plain function of the module tree; the strategy's contexts need no process group.
 """
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 
 import lightning as L
@@ -14,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_fsdp import FSDPStrategy
-from lightning_fsdp.engine.deferred_init import materialize, track_meta_build
+from lightning_fsdp.engine.deferred_init import check_initializable, materialize, track_meta_build
 
 
 class TiedLM(nn.Module):
@@ -34,17 +36,100 @@ class TiedLM(nn.Module):
             self.lm_head.weight = self.wte.weight
 
 
-def build_and_materialize(creator: str, tracked: bool) -> TiedLM:
-    torch.manual_seed(0)
-    with torch.device("meta"), track_meta_build() if tracked else nullcontext():
-        model = TiedLM(creator)
+class Rotary(nn.Module):
+    """A rotary embedding's buffer computed in ``__init__`` (non-persistent, as in Llama), a projection, a persistent
+    step counter and a trainable scale; ``computes_in_reset`` says whether ``reset_parameters`` recomputes the
+    buffer (the fix a meta build needs) or only initialises the scale (the usual oversight)."""
+
+    def __init__(self, computes_in_reset: bool, dim: int = 8) -> None:
+        super().__init__()
+        self.computes_in_reset = computes_in_reset
+        self.dim = dim
+        self.scale = nn.Parameter(torch.rand(dim))  # before the child, as reset_parameters() runs before the child's
+        self.proj = nn.Linear(dim, dim)
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def _inv_freq(self) -> torch.Tensor:
+        return 1.0 / 10000 ** (torch.arange(0, self.dim, 2, device=self.scale.device).float() / self.dim)
+
+    def reset_parameters(self) -> None:
+        nn.init.uniform_(self.scale)
+        self.steps.zero_()
+        if self.computes_in_reset:
+            self.inv_freq.copy_(self._inv_freq())
+
+
+def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, param in module._parameters.items():
             owners.setdefault(id(param), []).append((module, name))
+    return owners
+
+
+def build_and_materialize(creator: str, tracked: bool) -> TiedLM:
     torch.manual_seed(0)
-    materialize(model, torch.device("cpu"), None, owners, lambda meta, real: None)
+    with torch.device("meta"), track_meta_build() if tracked else nullcontext():
+        model = TiedLM(creator)
+    torch.manual_seed(0)
+    materialize(model, torch.device("cpu"), None, _owners(model), lambda meta, real: None)
     return model
+
+
+def test_a_buffer_computed_at_init_and_not_by_the_initialiser_is_refused_before_anything_is_materialised() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), Rotary(computes_in_reset=False))
+    torch.manual_seed(0)
+    rng = torch.random.get_rng_state()
+    with pytest.raises(
+        ValueError,
+        match=r"module '1' \(Rotary\) .* non-persistent buffer\(s\) inv_freq was lost, and "
+        r"its reset_parameters\(\) does not set it.*Nothing was materialised",
+    ):
+        check_initializable(model, None)
+    assert all(t.is_meta for t in (*model.parameters(), *model.buffers())), "the refusal materialised something"
+    assert torch.equal(torch.random.get_rng_state(), rng), "the check's trial run moved the random stream"
+    with pytest.raises(ValueError, match=r"inv_freq was lost, and param_init_fn does not set it"):
+        check_initializable(model, lambda module: None)
+
+
+def test_a_buffer_the_initialiser_computes_gets_the_eager_value() -> None:
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), Rotary(computes_in_reset=True))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), Rotary(computes_in_reset=True))
+    torch.manual_seed(0)
+    check_initializable(model, None)  # runs Rotary's initialiser on a scratch copy: must not shift what follows
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every tensor was written: nothing to warn about
+        materialize(model, torch.device("cpu"), None, _owners(model), lambda meta, real: None)
+    for name, tensor in eager.state_dict(keep_vars=True).items():
+        torch.testing.assert_close(model.state_dict(keep_vars=True)[name], tensor, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(model[1].inv_freq, eager[1].inv_freq, rtol=0, atol=0)
+
+
+def test_tensors_an_initialiser_leaves_unwritten_are_named_and_hold_nan() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), Rotary(computes_in_reset=True))
+
+    def init_weights_only(module: nn.Module) -> None:  # forgets the Linear's bias and the step counter
+        if isinstance(module, nn.Linear):
+            nn.init.ones_(module.weight)
+        if isinstance(module, Rotary):
+            module.inv_freq.copy_(module._inv_freq())
+            nn.init.zeros_(module.scale)
+
+    check_initializable(model, init_weights_only)  # the non-persistent buffer is set: no refusal
+    with pytest.warns(
+        UserWarning,
+        match=r"^3 tensor\(s\) .* written by neither .*: 0\.bias, 1\.steps, 1\.proj\.bias\. "
+        r"They hold NaN \(integers: their largest value\) until a checkpoint is loaded",
+    ):
+        materialize(model, torch.device("cpu"), init_weights_only, _owners(model), lambda meta, real: None)
+    assert bool(torch.isnan(model[0].bias).all()) and bool(torch.isnan(model[1].proj.bias).all())
+    assert int(model[1].steps) == torch.iinfo(torch.long).max
+    assert torch.equal(model[0].weight, torch.ones(8, 8)) and torch.equal(model[1].scale, torch.zeros(8))
 
 
 @pytest.mark.parametrize("creator", ["head", "embedding"])

@@ -15,12 +15,24 @@ runs its initialiser, on a scratch tensor, so the random stream advances exactly
 module initialised its own tensor before the tie replaced it. Without a record (a model built on the meta device
 outside that context) the first owner in module order initialises it.
 
+[Note: tensors no initialiser wrote] Materialising a meta tensor gives it memory holding whatever was there. A
+module's initialiser must write every tensor of its own, and one it forgets would train from garbage that looks
+like numbers -- most often a buffer its ``__init__`` computes (a rotary embedding's inverse frequencies, a causal
+mask), which a meta build computes on the meta device and so loses. Every tensor is therefore materialised filled
+with a value no initialiser writes (NaN; for integers their largest value) and checked after its initialiser ran. A
+non-persistent buffer left so is refused before anything is materialised, since no state dict will ever fill it:
+the initialiser of each module holding one is first run on a scratch copy of it (the random stream restored
+after). A parameter or persistent buffer left so is named in one warning, since a checkpoint loaded after setup may
+be meant to fill it; until then it holds NaN, so a forgotten one fails at the first loss instead of training.
+
 Loading a state dict into meta parameters would silently do nothing (copying into a tensor without storage), so
 modules built under :func:`track_meta_build` refuse it with the fix, unless ``assign=True`` replaces them.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
 import weakref
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -91,16 +103,67 @@ def _own_meta(module: nn.Module) -> tuple[list[str], list[str]]:
 
 
 def check_initializable(root: nn.Module, param_init_fn: ParamInitFn | None) -> None:
-    """Refuse, before anything is materialised, a meta module that nothing knows how to initialise."""
-    if param_init_fn is not None:
-        return
+    """Refuse, before anything is materialised, a meta module that nothing knows how to initialise, or whose
+    initialiser leaves a buffer computed at ``__init__`` unset (see [Note: tensors no initialiser wrote])."""
     for name, module in root.named_modules():
-        if any(_own_meta(module)) and not callable(getattr(module, "reset_parameters", None)):
+        label = f"module '{name or type(root).__name__}' ({type(module).__name__})"
+        if param_init_fn is None and any(_own_meta(module)) and not callable(getattr(module, "reset_parameters", None)):
             raise ValueError(
-                f"module '{name or type(root).__name__}' ({type(module).__name__}) was built on the meta device but "
-                "has no reset_parameters() to initialise its own tensors; give fully_shard a param_init_fn(module) "
-                "that initialises it, or build that module on a real device."
+                f"{label} was built on the meta device but has no reset_parameters() to initialise its own tensors; "
+                "give fully_shard a param_init_fn(module) that initialises it, or build that module on a real device."
             )
+        computed = [b for b in _own_meta(module)[1] if b in module._non_persistent_buffers_set]
+        if computed and (unset := _left_unwritten_by_initialiser(module, computed, param_init_fn)):
+            initialiser = "param_init_fn" if param_init_fn is not None else "its reset_parameters()"
+            raise ValueError(
+                f"{label} was built on the meta device, where the value its __init__ computed for the "
+                f"non-persistent buffer(s) {', '.join(unset)} was lost, and {initialiser} does not set it; compute "
+                "it there too, or build that module on a real device. Nothing was materialised."
+            )
+
+
+def _left_unwritten_by_initialiser(module: nn.Module, names: list[str], param_init_fn: ParamInitFn | None) -> list[str]:
+    """Which of ``module``'s own buffers ``names`` its initialiser leaves unwritten, tried on a scratch copy."""
+    try:
+        scratch = copy.deepcopy(module)  # children stay on the meta device: initialising them there does nothing
+    except Exception:  # noqa: BLE001 - a module that cannot be copied is checked after materialising instead
+        return []
+    params, buffers = _own_meta(scratch)
+    for name in buffers:
+        scratch._buffers[name] = _marked_empty(scratch._buffers[name], torch.device("cpu"))
+    for name in params:
+        meta = scratch._parameters[name]
+        scratch._parameters[name] = nn.Parameter(_marked_empty(meta, torch.device("cpu")), meta.requires_grad)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():  # the real build draws the same numbers after
+        _initialise(scratch, param_init_fn)
+    return [name for name in names if _unwritten(scratch._buffers[name])]
+
+
+def _initialise(module: nn.Module, param_init_fn: ParamInitFn | None) -> None:
+    if param_init_fn is not None:
+        param_init_fn(module)
+    else:
+        module.reset_parameters()
+
+
+def _marked_empty(like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor shaped like ``like`` on ``device``, filled with what no initialiser writes (see [Note: tensors no
+    initialiser wrote]); booleans, which have no such value, are left as allocated."""
+    tensor = torch.empty_like(like, device=device)
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.fill_(float("nan"))
+    elif tensor.dtype != torch.bool:
+        tensor.fill_(torch.iinfo(tensor.dtype).max)
+    return tensor
+
+
+def _unwritten(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (made by ``_marked_empty``) still holds only its mark."""
+    if tensor.numel() == 0 or tensor.dtype == torch.bool:
+        return False
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(torch.isnan(tensor).all())
+    return bool((tensor == torch.iinfo(tensor.dtype).max).all())
 
 
 def materialize(
@@ -112,19 +175,20 @@ def materialize(
 ) -> None:
     """Materialise and initialise every meta tensor under ``root``; report each parameter as (meta, real)."""
     stand_ins = _tied_stand_ins(owners_of)
-    for module in root.modules():
+    unset: list[str] = []
+    for path, module in root.named_modules():
         param_names, buffer_names = _own_meta(module)
         stand_in_names = stand_ins.get(id(module), [])
         if not param_names and not buffer_names and not stand_in_names:
             continue
         for name in buffer_names:
-            module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
+            module._buffers[name] = _marked_empty(module._buffers[name], device)
         ready = []
         for name in param_names:
             if name in stand_in_names:
                 continue
             meta = module._parameters[name]
-            real = nn.Parameter(torch.empty_like(meta, device=device), requires_grad=meta.requires_grad)
+            real = nn.Parameter(_marked_empty(meta, device), requires_grad=meta.requires_grad)
             for owner, attr in owners_of.get(id(meta), [(module, name)]):
                 owner._parameters[attr] = real
             ready.append((meta, real))
@@ -132,14 +196,22 @@ def materialize(
         for name, param in shared.items():  # the eager build initialised this owner's own tensor, later replaced
             module._parameters[name] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device))
         with torch.no_grad():
-            if param_init_fn is not None:
-                param_init_fn(module)
-            else:
-                module.reset_parameters()
+            _initialise(module, param_init_fn)
         for name in shared:
             module._parameters[name] = shared[name]  # meta until its initialising owner, or already real
+        written = [(name, module._buffers[name]) for name in buffer_names]
+        written += [(name, module._parameters[name]) for name in param_names if name not in stand_in_names]
+        unset += [f"{path}.{name}" if path else name for name, tensor in written if _unwritten(tensor)]
         for meta, real in ready:
             on_param_ready(meta, real)
+    if unset:
+        warnings.warn(
+            f"{len(unset)} tensor(s) materialised from the meta device were written by neither reset_parameters() "
+            f"nor param_init_fn: {', '.join(unset[:8])}{', ...' if len(unset) > 8 else ''}. They hold NaN "
+            "(integers: their largest value) until a checkpoint is loaded into them; initialise them there if none "
+            "will be.",
+            stacklevel=3,
+        )
 
 
 def _tied_stand_ins(owners_of: dict[int, list[tuple[nn.Module, str]]]) -> dict[int, list[str]]:

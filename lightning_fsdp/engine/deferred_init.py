@@ -135,7 +135,10 @@ def _left_unwritten_by_initialiser(module: nn.Module, names: list[str], param_in
         meta = scratch._parameters[name]
         scratch._parameters[name] = nn.Parameter(_marked_empty(meta, torch.device("cpu")), meta.requires_grad)
     with torch.random.fork_rng(devices=[]), torch.no_grad():  # the real build draws the same numbers after
-        _initialise(scratch, param_init_fn)
+        try:
+            _initialise(scratch, param_init_fn)
+        except Exception:  # noqa: BLE001 - e.g. it reads a child's values, still on the meta device in the copy:
+            return []  # the real initialisation judges it, after materialising (the warning)
     return [name for name in names if _unwritten(scratch._buffers[name])]
 
 

@@ -48,16 +48,21 @@ class Rotary(nn.Module):
         self.scale = nn.Parameter(torch.rand(dim))  # before the child, as reset_parameters() runs before the child's
         self.proj = nn.Linear(dim, dim)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.register_buffer("mask", self._mask(), persistent=False)
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
     def _inv_freq(self) -> torch.Tensor:
         return 1.0 / 10000 ** (torch.arange(0, self.dim, 2, device=self.scale.device).float() / self.dim)
+
+    def _mask(self) -> torch.Tensor:
+        return torch.ones(self.dim, self.dim, dtype=torch.bool, device=self.scale.device).tril()
 
     def reset_parameters(self) -> None:
         nn.init.uniform_(self.scale)
         self.steps.zero_()
         if self.computes_in_reset:
             self.inv_freq.copy_(self._inv_freq())
+            self.mask.copy_(self._mask())
 
 
 def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
@@ -84,13 +89,13 @@ def test_a_buffer_computed_at_init_and_not_by_the_initialiser_is_refused_before_
     rng = torch.random.get_rng_state()
     with pytest.raises(
         ValueError,
-        match=r"module '1' \(Rotary\) .* non-persistent buffer\(s\) inv_freq was lost, and "
+        match=r"module '1' \(Rotary\) .* non-persistent buffer\(s\) inv_freq, mask was lost, and "
         r"its reset_parameters\(\) does not set it.*Nothing was materialised",
     ):
         check_initializable(model, None)
     assert all(t.is_meta for t in (*model.parameters(), *model.buffers())), "the refusal materialised something"
     assert torch.equal(torch.random.get_rng_state(), rng), "the check's trial run moved the random stream"
-    with pytest.raises(ValueError, match=r"inv_freq was lost, and param_init_fn does not set it"):
+    with pytest.raises(ValueError, match=r"inv_freq, mask was lost, and param_init_fn does not set it"):
         check_initializable(model, lambda module: None)
 
 
@@ -106,7 +111,8 @@ def test_a_buffer_the_initialiser_computes_gets_the_eager_value() -> None:
         materialize(model, torch.device("cpu"), None, _owners(model), lambda meta, real: None)
     for name, tensor in eager.state_dict(keep_vars=True).items():
         torch.testing.assert_close(model.state_dict(keep_vars=True)[name], tensor, rtol=0, atol=0, msg=name)
-    torch.testing.assert_close(model[1].inv_freq, eager[1].inv_freq, rtol=0, atol=0)
+    for name in ("inv_freq", "mask"):  # non-persistent: not in the state dicts compared above
+        assert torch.equal(getattr(model[1], name), getattr(eager[1], name)), name
 
 
 def test_tensors_an_initialiser_leaves_unwritten_are_named_and_hold_nan() -> None:
@@ -118,6 +124,7 @@ def test_tensors_an_initialiser_leaves_unwritten_are_named_and_hold_nan() -> Non
             nn.init.ones_(module.weight)
         if isinstance(module, Rotary):
             module.inv_freq.copy_(module._inv_freq())
+            module.mask.copy_(module._mask())
             nn.init.zeros_(module.scale)
 
     check_initializable(model, init_weights_only)  # the non-persistent buffer is set: no refusal

@@ -19,11 +19,12 @@ outside that context) the first owner in module order initialises it.
 module's initialiser must write every tensor of its own, and one it forgets would train from garbage that looks
 like numbers -- most often a buffer its ``__init__`` computes (a rotary embedding's inverse frequencies, a causal
 mask), which a meta build computes on the meta device and so loses. Every tensor is therefore materialised filled
-with a value no initialiser writes (NaN; for integers their largest value) and checked after its initialiser ran. A
-non-persistent buffer left so is refused before anything is materialised, since no state dict will ever fill it:
-the initialiser of each module holding one is first run on a scratch copy of it (the random stream restored
-after). A parameter or persistent buffer left so is named in one warning, since a checkpoint loaded after setup may
-be meant to fill it; until then it holds NaN, so a forgotten one fails at the first loss instead of training.
+with a value no initialiser writes (NaN; integers: their largest value; booleans: the byte 255) and checked after
+its initialiser ran. A non-persistent buffer left so is refused before anything is materialised, since no state
+dict will ever fill it: the initialiser of each module holding one is first run on a scratch copy of it (the random
+stream restored after). A parameter or persistent buffer left so is named in one warning, since a checkpoint loaded
+after setup may be meant to fill it; until then it holds NaN, so a forgotten one fails at the first loss instead of
+training.
 
 Loading a state dict into meta parameters would silently do nothing (copying into a tensor without storage), so
 modules built under :func:`track_meta_build` refuse it with the fix, unless ``assign=True`` replaces them.
@@ -151,22 +152,35 @@ def _initialise(module: nn.Module, param_init_fn: ParamInitFn | None) -> None:
 
 def _marked_empty(like: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor shaped like ``like`` on ``device``, filled with what no initialiser writes (see [Note: tensors no
-    initialiser wrote]); booleans, which have no such value, are left as allocated."""
+    initialiser wrote]): NaN; an integer's largest value; for booleans the byte 255, which no boolean op writes.
+    Dtypes with no such value (quantized ones) are left as allocated."""
     tensor = torch.empty_like(like, device=device)
-    if tensor.is_floating_point() or tensor.is_complex():
+    if tensor.dtype == torch.bool:
+        tensor.view(torch.uint8).fill_(255)
+    elif tensor.is_floating_point() or tensor.is_complex():
         tensor.fill_(float("nan"))
-    elif tensor.dtype != torch.bool:
-        tensor.fill_(torch.iinfo(tensor.dtype).max)
+    elif (mark := _integer_mark(tensor.dtype)) is not None:
+        tensor.fill_(mark)
     return tensor
+
+
+def _integer_mark(dtype: torch.dtype) -> int | None:
+    try:
+        return torch.iinfo(dtype).max
+    except TypeError:  # quantized and other dtypes without integer arithmetic
+        return None
 
 
 def _unwritten(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` (made by ``_marked_empty``) still holds only its mark."""
-    if tensor.numel() == 0 or tensor.dtype == torch.bool:
+    if tensor.numel() == 0:
         return False
+    if tensor.dtype == torch.bool:
+        return bool((tensor.view(torch.uint8) == 255).all())
     if tensor.is_floating_point() or tensor.is_complex():
         return bool(torch.isnan(tensor).all())
-    return bool((tensor == torch.iinfo(tensor.dtype).max).all())
+    mark = _integer_mark(tensor.dtype)
+    return mark is not None and bool((tensor == mark).all())
 
 
 def materialize(

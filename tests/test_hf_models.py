@@ -9,6 +9,7 @@ exported with ``convert --to hf``, load back with ``from_pretrained`` and give t
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.checkpoint.full import save_full_checkpoint
 from lightning_fsdp.checkpoint.pretrained import load_pretrained
 from lightning_fsdp.demos.lora import add_lora
+from lightning_fsdp.engine.deferred_init import check_initializable, materialize
 from lightning_fsdp.engine.state_dict import full_state_dict
 from tests.distributed import run_distributed
 from tests.engine_harness import RTOL, max_relative_error
@@ -224,3 +226,28 @@ def _generate_uneven(rank: int, world_size: int, folder_name: str) -> None:
 
 def test_generation_with_uneven_lengths_returns_the_unsharded_output(tmp_path: Path) -> None:
     run_distributed(_generate_uneven, 2, str(tmp_path), timeout=120)
+
+
+def test_a_meta_build_gets_the_rotary_buffers_it_computes_at_init() -> None:
+    """Llama's rotary embedding computes its non-persistent ``inv_freq`` in ``__init__``, which a meta build loses:
+    without an initialiser its modules are refused by name, and with transformers' own ``_init_weights`` (which
+    recomputes the buffers) every tensor is written and the buffers are exactly the eager build's. See [Note:
+    tensors no initialiser wrote] in lightning_fsdp/engine/deferred_init.py."""
+    eager = FAMILIES["llama"].build(seed=0)
+    with torch.device("meta"):
+        model = FAMILIES["llama"].build(seed=0)
+    with pytest.raises(ValueError, match=r"\(LlamaRMSNorm\) was built on the meta device but has no reset_parameters"):
+        check_initializable(model, None)
+    check_initializable(model, model._init_weights)
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r".*materialised from the meta device")
+        materialize(model, torch.device("cpu"), model._init_weights, owners, lambda meta, real: None)
+    buffers = dict(model.named_buffers())
+    for name, expected in eager.named_buffers():
+        assert torch.equal(buffers[name], expected), f"{name} differs from the eager build"
+    assert not any(bool(torch.isnan(p).any()) for p in model.parameters())

@@ -20,7 +20,8 @@ Why it is built this way:
   launcher starts rank 1 by running the same command line again, so a script that fitted both strategies in
   one process would have rank 1 replay the whole loop; one fit per command line keeps both ranks in step.
 - Rounds are interleaved (ddp, myfsdp, ddp, myfsdp, ...): the machine is shared, and noise that comes and
-  goes then hits both strategies alike.
+  goes then hits both strategies alike. "step time (paired)" is the median (and range) over rounds of each
+  round's ratio, the number to quote: it compares runs that were neighbours in time.
 - Step time is what a ``Callback`` sees from ``on_train_batch_start`` to ``on_train_batch_end``: forward,
   backward, gradient reduction, clipping and the optimizer step. Per step the slowest rank counts; the first
   ``--warmup`` steps (optimizer state created lazily, first gathers) are left out.
@@ -210,6 +211,7 @@ def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "step_time_min_s": min(step_times),
         "step_time_max_s": max(step_times),
         "step_time_run_medians_s": [statistics.median(_timed(r, warmup)) for r in records],
+        "rounds": [r["round"] for r in records],
         "loss_curve": curves[0],
         "loss_same_every_run": all(curve == curves[0] for curve in curves),
         "state_bytes": {k: max(x["state_bytes"][k] for x in first) for k in first[0]["state_bytes"]},
@@ -256,6 +258,8 @@ def report(summaries: dict[str, dict[str, Any]], args: argparse.Namespace, num_p
         ]
         for title, ratio in ratio_rows:
             lines.append(f"{title:24s}" + "".join(f"{ratio(summaries[impl]):>20.2f}" for impl in ours_impls))
+        paired = {impl: _paired_ratios(summaries[impl], ddp) for impl in ours_impls}
+        lines.append(f"{'step time (paired)':24s}" + "".join(f"{_spread(paired[impl]):>20s}" for impl in ours_impls))
         rtol = LOSS_RTOL["fp32"]
         for impl in ours_impls:
             pairs = zip(summaries[impl]["loss_curve"], ddp["loss_curve"], strict=True)
@@ -269,6 +273,24 @@ def report(summaries: dict[str, dict[str, Any]], args: argparse.Namespace, num_p
         if not s["loss_same_every_run"]:
             lines.append(f"WARNING: {impl} is not deterministic: its losses differ between runs")
     return lines
+
+
+def _paired_ratios(ours: dict[str, Any], ddp: dict[str, Any]) -> list[float]:
+    """Per round, ours' median step over ddp's in the same round: the two ran back to back, so the machine's slow
+    and fast spells (the same configuration moves by 30% between runs here) cancel in the ratio, not in the medians."""
+    ddp_by_round = dict(zip(ddp["rounds"], ddp["step_time_run_medians_s"], strict=True))
+    return [
+        median / ddp_by_round[round_index]
+        for round_index, median in zip(ours["rounds"], ours["step_time_run_medians_s"], strict=True)
+        if round_index in ddp_by_round
+    ]
+
+
+def _spread(ratios: list[float]) -> str:
+    """The median of the per-round ratios and their range."""
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -291,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"  {outcome.strip()}", flush=True)
                     failures.append(f"{impl}: {outcome.strip()[-500:]}")
                 else:
-                    records[impl].append(outcome)
+                    records[impl].append({**outcome, "round": round_index})
     summaries = {impl: summarize(runs, args.warmup) for impl, runs in records.items() if runs}
     if not summaries:
         raise SystemExit("every run failed")

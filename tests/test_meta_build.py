@@ -7,6 +7,7 @@ In-process: materialization is a plain function of the module tree; the strategy
 
 from __future__ import annotations
 
+import threading
 import warnings
 from contextlib import nullcontext
 
@@ -137,6 +138,29 @@ def test_tensors_an_initialiser_leaves_unwritten_are_named_and_hold_nan() -> Non
     assert bool(torch.isnan(model[0].bias).all()) and bool(torch.isnan(model[1].proj.bias).all())
     assert int(model[1].steps) == torch.iinfo(torch.long).max
     assert torch.equal(model[0].weight, torch.ones(8, 8)) and torch.equal(model[1].scale, torch.zeros(8))
+
+
+class HoldsALock(nn.Module):
+    """A buffer computed at ``__init__`` that ``reset_parameters`` forgets, in a module that cannot be deep-copied
+    (it holds a lock): the trial on a scratch copy cannot run, so the real initialisation must judge it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+def test_a_lost_buffer_the_trial_cannot_judge_is_named_as_never_coming_from_a_checkpoint() -> None:
+    with torch.device("meta"):
+        model = HoldsALock()
+    check_initializable(model, None)  # deepcopy raises (a lock): left to the real initialisation
+    with pytest.warns(UserWarning, match=r"^1 non-persistent buffer\(s\) .*: table\. No checkpoint holds them"):
+        materialize(model, torch.device("cpu"), None, _owners(model), lambda meta, real: None)
+    assert bool(torch.isnan(model.table).all())
 
 
 @pytest.mark.parametrize("creator", ["head", "embedding"])

@@ -24,7 +24,8 @@ its initialiser ran. A non-persistent buffer left so is refused before anything 
 dict will ever fill it: the initialiser of each module holding one is first run on a scratch copy of it (the random
 stream restored after). A parameter or persistent buffer left so is named in one warning, since a checkpoint loaded
 after setup may be meant to fill it; until then it holds NaN, so a forgotten one fails at the first loss instead of
-training.
+training. A non-persistent buffer the trial could not judge (its module cannot be copied, or its initialiser fails
+on the copy) and the real initialiser left unset is named in a warning of its own: no checkpoint will fill it.
 
 Loading a state dict into meta parameters would silently do nothing (copying into a tensor without storage), so
 modules built under :func:`track_meta_build` refuse it with the fix, unless ``assign=True`` replaces them.
@@ -108,12 +109,13 @@ def check_initializable(root: nn.Module, param_init_fn: ParamInitFn | None) -> N
     initialiser leaves a buffer computed at ``__init__`` unset (see [Note: tensors no initialiser wrote])."""
     for name, module in root.named_modules():
         label = f"module '{name or type(root).__name__}' ({type(module).__name__})"
-        if param_init_fn is None and any(_own_meta(module)) and not callable(getattr(module, "reset_parameters", None)):
+        params, buffers = _own_meta(module)
+        if param_init_fn is None and (params or buffers) and not callable(getattr(module, "reset_parameters", None)):
             raise ValueError(
                 f"{label} was built on the meta device but has no reset_parameters() to initialise its own tensors; "
                 "give fully_shard a param_init_fn(module) that initialises it, or build that module on a real device."
             )
-        computed = [b for b in _own_meta(module)[1] if b in module._non_persistent_buffers_set]
+        computed = [b for b in buffers if b in module._non_persistent_buffers_set]
         if computed and (unset := _left_unwritten_by_initialiser(module, computed, param_init_fn)):
             initialiser = "param_init_fn" if param_init_fn is not None else "its reset_parameters()"
             raise ValueError(
@@ -192,7 +194,8 @@ def materialize(
 ) -> None:
     """Materialise and initialise every meta tensor under ``root``; report each parameter as (meta, real)."""
     stand_ins = _tied_stand_ins(owners_of)
-    unset: list[str] = []
+    unset: list[str] = []  # a checkpoint loaded later may fill these
+    lost: list[str] = []  # non-persistent buffers (no checkpoint holds them) the scratch trial could not judge
     for path, module in root.named_modules():
         param_names, buffer_names = _own_meta(module)
         stand_in_names = stand_ins.get(id(module), [])
@@ -218,17 +221,31 @@ def materialize(
             module._parameters[name] = shared[name]  # meta until its initialising owner, or already real
         written = [(name, module._buffers[name]) for name in buffer_names]
         written += [(name, module._parameters[name]) for name in param_names if name not in stand_in_names]
-        unset += [f"{path}.{name}" if path else name for name, tensor in written if _unwritten(tensor)]
+        for name, tensor in written:
+            if _unwritten(tensor):
+                computed = name in buffer_names and name in module._non_persistent_buffers_set
+                (lost if computed else unset).append(f"{path}.{name}" if path else name)
         for meta, real in ready:
             on_param_ready(meta, real)
     if unset:
         warnings.warn(
             f"{len(unset)} tensor(s) materialised from the meta device were written by neither reset_parameters() "
-            f"nor param_init_fn: {', '.join(unset[:8])}{', ...' if len(unset) > 8 else ''}. They hold NaN "
-            "(integers: their largest value) until a checkpoint is loaded into them; initialise them there if none "
-            "will be.",
+            f"nor param_init_fn: {_listed(unset)}. They hold NaN (integers: their largest value) until a checkpoint "
+            "is loaded into them; initialise them there if none will be.",
             stacklevel=3,
         )
+    if lost:
+        warnings.warn(
+            f"{len(lost)} non-persistent buffer(s) materialised from the meta device were written by neither "
+            f"reset_parameters() nor param_init_fn: {_listed(lost)}. No checkpoint holds them, so they keep NaN "
+            "(integers: their largest value) and training will fail; compute them in the initialiser, or build "
+            "those modules on a real device.",
+            stacklevel=3,
+        )
+
+
+def _listed(names: list[str]) -> str:
+    return f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''}"
 
 
 def _tied_stand_ins(owners_of: dict[int, list[tuple[nn.Module, str]]]) -> dict[int, list[str]]:

@@ -73,15 +73,15 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
                 pending.release()
                 for full, dest in zip(fulls, dests, strict=True):
                     assert torch.equal(dest[: full.numel()].view(full.shape), full.to(dtype)), case
-            # Reduce-scatter: rank r contributes (r + 1) * full; every rank keeps its rows of the sum.
-            by_rank = []
-            for full, layout in zip(fulls, layouts, strict=True):
-                padded = torch.zeros(layout.padded_numel)
-                padded[: full.numel()] = full.reshape(-1) * (rank + 1)
-                by_rank.append(padded.view(world_size, layout.shard_numel))
+            # Reduce-scatter: rank r contributes (r + 1) * full, unpadded (the transport pads); every rank keeps its
+            # rows of the sum.
+            grads = [
+                collectives.RankRows(full.reshape(-1) * (rank + 1), layout.shard_numel)
+                for full, layout in zip(fulls, layouts, strict=True)
+            ]
             scale = world_size * (world_size + 1) / 2
             for divide_by in (None, 2):
-                reduced = transport.reduce_scatter(by_rank, torch.float32, stamp, divide_by).wait()
+                reduced = transport.reduce_scatter(grads, torch.float32, stamp, divide_by).wait()
                 offset = 0
                 for shard, layout in zip(shards, layouts, strict=True):
                     expected = shard * scale / (divide_by or 1)
@@ -110,6 +110,32 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gather_unpack_and_reduce_scatter_round_trip(world_size: int) -> None:
     run_distributed(_check_gather_and_reduce, world_size)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+def test_pack_rows_pads_in_place_of_a_padded_copy(world_size: int) -> None:
+    """Every shape of SHAPES, and a gradient that never arrived (empty: zeros), packed side by side into a
+    (world_size, columns) buffer full of garbage: equal to the zero-padded views packed by concatenation, in fp32 and
+    cast to bf16 (mixed precision's reduce dtype)."""
+    fulls = [_full(i, world_size) for i in range(len(SHAPES))]
+    layouts = [ShardLayout.for_shape(full.shape, 0, world_size) for full in fulls]
+    flats = [full.reshape(-1) for full in fulls] + [torch.empty(0)]
+    columns = [layout.shard_numel for layout in layouts] + [layouts[0].shard_numel]
+    padded = []
+    for flat, width in zip(flats, columns, strict=True):
+        view = torch.zeros(world_size * width)
+        view[: flat.numel()] = flat
+        padded.append(view.view(world_size, width))
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full((world_size, sum(columns) + 2), float("nan"), dtype=dtype)[:, 1:-1]  # a strided slot
+        collectives.pack_rows(
+            [collectives.RankRows(flat, width) for flat, width in zip(flats, columns, strict=True)], out
+        )
+        assert torch.equal(out, torch.cat(padded, dim=-1).to(dtype)), dtype
+        unpadded = [collectives.RankRows(torch.arange(world_size * 3.0), 3), collectives.RankRows(torch.ones(0), 0)]
+        fused = torch.empty(world_size, 3, dtype=dtype)
+        collectives.pack_rows(unpadded, fused)  # nothing to pad: the one fused copy
+        assert torch.equal(fused, torch.arange(world_size * 3.0).view(world_size, 3).to(dtype)), dtype
 
 
 def test_pool_reuses_buffers_by_size_and_keeps_few() -> None:

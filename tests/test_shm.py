@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lightning_fsdp import fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
 from lightning_fsdp.engine import peer_wait, shm
+from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.comm_stats import CollectiveCounter
 from lightning_fsdp.engine.ledger import CollectiveMismatchError, Ledger
 from lightning_fsdp.engine.peer_wait import PeerExitedError
@@ -127,7 +128,7 @@ def _check_no_rewrite_before_everyone_read(rank: int, world_size: int) -> None:
         if rank == 0:
             transport.all_gather([torch.ones(5)], torch.float32, ledger.stamp("all-gather", 20, "blocks.0")).wait()
         else:
-            grads = [torch.ones(world_size, 5)]
+            grads = [RankRows(torch.ones(world_size * 5), 5)]
             transport.reduce_scatter(grads, torch.float32, ledger.stamp("reduce-scatter", 40, "blocks.1")).wait()
     assert time.monotonic() - start < 10.0
 

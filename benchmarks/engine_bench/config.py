@@ -73,13 +73,16 @@ class BenchArgs:
     compiled_row: str | None = None
     # Ours' transport on one host: "shm" (shared memory, the default) or "gloo" (as between hosts).
     transport: str = "shm"
+    # The embedding's rows (and the tied head's). The corpus needs 256; GPT-2's 50257 makes them odd, so every
+    # rank's shard is padded: the case where a reduce-scatter used to copy the whole gradient first.
+    vocab_size: int = VOCAB_SIZE
 
     def wrapped(self) -> set[type[nn.Module]]:
         return {Block} if self.wrap == "block" else {CausalSelfAttention, MLP}
 
     def gpt_config(self) -> GPTConfig:
         return GPTConfig(
-            vocab_size=VOCAB_SIZE,
+            vocab_size=self.vocab_size,
             block_size=self.block_size,
             n_layer=self.n_layer,
             n_head=self.n_head,
@@ -136,6 +139,12 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         default="shm",
         help="ours' collectives on one host: shared memory (default) or gloo only, as between hosts",
     )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=VOCAB_SIZE,
+        help=f"embedding rows (at least the corpus' {VOCAB_SIZE}); 50257, GPT-2's, shards with padding",
+    )
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 disables it")
     parser.add_argument("--seed", type=int, default=0)
@@ -176,6 +185,8 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         parser.error(f"--n-embd {sizes['n_embd']} must be a multiple of --n-head {sizes['n_head']}")
     if ns.compile is not None and ns.compiled_row is not None:
         parser.error("--compile compiles every run already; --compiled-row adds compiled runs to eager ones: pick one")
+    if ns.vocab_size < VOCAB_SIZE:
+        parser.error(f"--vocab-size {ns.vocab_size} cannot embed the corpus' {VOCAB_SIZE} byte values")
     if ns.steps < 1 or ns.rounds < 1 or ns.warmup < 0:
         parser.error("--steps and --rounds must be at least 1, --warmup at least 0")
     return BenchArgs(
@@ -198,6 +209,7 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         budget_mib=ns.budget_mib,
         from_json=tuple(ns.from_json),
         forward_prefetch=ns.forward_prefetch,
+        vocab_size=ns.vocab_size,
         wrap=ns.wrap,
         compile=ns.compile,
         transport=ns.transport,

@@ -6,19 +6,57 @@ packing copy is also the cast to the collective's dtype under mixed precision.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
-def pack(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
-    """Concatenate ``tensors`` along their last dim into ``out`` (any row stride), casting to ``out``'s dtype.
+class RankRows(NamedTuple):
+    """A gradient on its way to a reduce-scatter: ``flat`` (the full gradient, rank-major) stands for its zero-padded
+    (world_size, columns) view, row r going to rank r.
 
-    1-D tensors fill a 1-D ``out`` (a unit's shards, or its replicated gradients); (rows, n_i) tensors fill a
-    (rows, sum n_i) ``out`` (its gradients by destination rank).
+    Why not that view itself: a parameter whose rows do not divide by the world size (a 50257-token embedding on 2
+    ranks) would need a padded copy of its whole gradient first -- a second full gradient alive at the peak of
+    backward, and one more pass over it. ``pack_rows`` writes the padding straight into the send buffer instead. An
+    empty ``flat`` stands for a gradient that never arrived (all zeros).
     """
-    if out.dim() == 2 or all(t.dtype == out.dtype for t in tensors):
-        torch.cat(tensors, dim=-1, out=out)
+
+    flat: torch.Tensor
+    columns: int
+
+
+def pack(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+    """Concatenate 1-D ``tensors`` into the 1-D ``out`` (a unit's shards, or its replicated gradients), casting to
+    ``out``'s dtype."""
+    if all(t.dtype == out.dtype for t in tensors):
+        torch.cat(tensors, out=out)
     else:  # mixed precision: the cast is the packing copy
         torch._foreach_copy_(list(out.split([t.numel() for t in tensors])), tensors)
+
+
+def pack_rows(grads: list[RankRows], out: torch.Tensor) -> None:
+    """Lay ``grads`` side by side into ``out`` (world_size, sum of columns; any row stride), zero-padded, casting to
+    ``out``'s dtype: row r of ``out`` is what rank r receives."""
+    world_size = out.size(0)
+    if all(grad.flat.numel() == world_size * grad.columns for grad in grads):  # nothing to pad: one fused copy
+        torch.cat([grad.flat.view(world_size, grad.columns) for grad in grads], dim=-1, out=out)
+        return
+    offset = 0
+    for grad in grads:
+        _copy_zero_padded(grad.flat, out[:, offset : offset + grad.columns])
+        offset += grad.columns
+
+
+def _copy_zero_padded(flat: torch.Tensor, block: torch.Tensor) -> None:
+    """``flat`` row-major into the (rows, columns) ``block``, zeros after its end."""
+    columns = block.size(1)
+    whole, rest = divmod(flat.numel(), columns)
+    block[:whole].copy_(flat[: whole * columns].view(whole, columns))
+    if rest:
+        block[whole, :rest].copy_(flat[whole * columns :])
+        block[whole, rest:].zero_()
+        whole += 1
+    block[whole:].zero_()
 
 
 def unpack_all_gather(blocks: list[torch.Tensor], shard_numels: list[int], dests: list[torch.Tensor]) -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fsdp.engine import collectives
+from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.ledger import DIGEST_BITS, STAMP_BYTES, Stamp
 from lightning_fsdp.engine.transport import Pending, Transport
 
@@ -62,15 +63,15 @@ class GlooTransport(Transport):
         return Pending(finish, release)
 
     def reduce_scatter(
-        self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
+        self, grads: list[RankRows], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:
         """See [Note: reduce-scatter on gloo]."""
         pool, world_size = self.pool, self.world_size
-        data_bytes = sum(grad.size(1) for grad in grads) * dtype.itemsize
+        data_bytes = sum(grad.columns for grad in grads) * dtype.itemsize
         frame = frame_bytes(data_bytes, stamp)
-        send = pool.take(world_size * frame, torch.uint8, grads[0].device).view(world_size, frame)
+        send = pool.take(world_size * frame, torch.uint8, grads[0].flat.device).view(world_size, frame)
         data = send[:, :data_bytes].view(dtype)
-        collectives.pack(grads, data)
+        collectives.pack_rows(grads, data)
         if divide_by is not None:
             data.div_(divide_by)
         if stamp is not None:

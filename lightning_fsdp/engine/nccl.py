@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine import collectives
+from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.gloo import all_gather_flat, frame_bytes
 from lightning_fsdp.engine.ledger import DIGEST_BITS, Stamp
 from lightning_fsdp.engine.transport import Pending, Transport
@@ -120,12 +121,12 @@ class NcclTransport(Transport):
         return Pending(finish, release)
 
     def reduce_scatter(
-        self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
+        self, grads: list[RankRows], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:
-        world_size, columns = self.world_size, sum(grad.size(1) for grad in grads)
+        world_size, columns = self.world_size, sum(grad.columns for grad in grads)
         extra = DIGEST_BITS if stamp is not None else 0
         send = torch.empty(world_size, columns + extra, dtype=dtype, device=self.device)
-        collectives.pack(grads, send[:, :columns])
+        collectives.pack_rows(grads, send[:, :columns])
         if divide_by is not None:
             send[:, :columns].div_(divide_by)
         if stamp is not None:

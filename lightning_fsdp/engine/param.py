@@ -64,16 +64,8 @@ class ShardLayout:
         """This rank's rows of a tensor of the parameter's full shape, as a (local_rows, row_numel) view."""
         return full.reshape(self.rows, self.row_numel)[self.row_range]
 
-    def by_rank(self, full: torch.Tensor) -> torch.Tensor:
-        """A tensor of the full shape as (world_size, shard_numel), zero-padded: row r is rank r's padded shard."""
-        rows = full.reshape(self.rows, self.row_numel)
-        pad = self.chunk_rows * self.world_size - self.rows
-        if pad:
-            rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
-        return rows.view(self.world_size, self.shard_numel)
-
     def unpad(self, by_rank: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """The inverse of ``by_rank``: every rank's padded shard (world_size, shard_numel) as the full tensor."""
+        """Every rank's padded shard (world_size, shard_numel) as the full tensor."""
         return by_rank.reshape(-1)[: shape.numel()].view(shape)
 
     @staticmethod
@@ -195,11 +187,6 @@ class FSDPParam:
             self.unsharded.requires_grad_(self.sharded.requires_grad)
         for module, name in self.owners:
             module._parameters[name] = self.unsharded
-
-    def grad_by_rank(self) -> torch.Tensor | None:
-        """The unsharded gradient as (world_size, shard_numel), zero-padded; None if no gradient arrived."""
-        grad = self.unsharded.grad
-        return None if grad is None else self.layout.by_rank(grad)
 
     def accumulate_sharded_grad(self, reduced_shard: torch.Tensor) -> None:
         """Add this rank's reduced rows (a view of the unit's reduce output, padding included) to ``.grad``.

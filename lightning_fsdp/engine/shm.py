@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine import collectives
+from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.gloo import GlooTransport
 from lightning_fsdp.engine.ledger import STAMP_NUMEL, CollectiveMismatchError, Stamp
 from lightning_fsdp.engine.peer_wait import ORDERED_STORES, int64_words, wait_until
@@ -371,16 +372,16 @@ class SharedMemoryTransport(Transport):
         return Pending(finish, lambda: self._release(slots, slot, sequence))
 
     def reduce_scatter(
-        self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
+        self, grads: list[RankRows], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:
-        world_size, columns = self.world_size, sum(grad.size(1) for grad in grads)
+        world_size, columns = self.world_size, sum(grad.columns for grad in grads)
         slots = self.slots["reduce"]
         taken = self._take(slots, world_size * columns * dtype.itemsize, stamp)
         if taken is None:
             return self.fallback.reduce_scatter(grads, dtype, stamp, divide_by)
         slot, sequence = taken
         send = self.view(slots, self.rank, slot, world_size * columns, dtype).view(world_size, columns)
-        collectives.pack(grads, send)
+        collectives.pack_rows(grads, send)
         if divide_by is not None:
             send.div_(divide_by)
         announce("reduce_scatter", "shm::reduce_scatter", send, world_size)

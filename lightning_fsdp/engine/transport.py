@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.buffers import BufferPool
+from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.ledger import Stamp
 
 log = logging.getLogger(__name__)
@@ -127,26 +128,16 @@ class Transport(ABC):
 
     @abstractmethod
     def reduce_scatter(
-        self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
+        self, grads: list[RankRows], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:
-        """This rank's row of the sum over ranks of the packed (world_size, n_i) ``grads``."""
+        """This rank's row of the sum over ranks of ``grads`` packed side by side (their zero-padded
+        (world_size, columns) views; see ``collectives.RankRows``)."""
 
     @abstractmethod
     def all_reduce(
         self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:
         """The sum over ranks of the packed 1-D ``grads``."""
-
-    @staticmethod
-    def pack_own(
-        grads: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, divide_by: int | None
-    ) -> torch.Tensor:
-        """Pack into a new tensor of the result's own (never pooled: it becomes ``.grad``)."""
-        out = torch.empty(shape, dtype=dtype, device=grads[0].device)
-        collectives.pack(grads, out)
-        if divide_by is not None:
-            out.div_(divide_by)
-        return out
 
 
 class SingleRank(Transport):
@@ -160,15 +151,23 @@ class SingleRank(Transport):
         return Pending.done([send], lambda: self.pool.give(send))
 
     def reduce_scatter(
-        self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
+        self, grads: list[RankRows], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:
-        columns = sum(grad.size(1) for grad in grads)
-        return Pending.done(self.pack_own(grads, (1, columns), dtype, divide_by).view(-1))
+        out = torch.empty(1, sum(grad.columns for grad in grads), dtype=dtype, device=grads[0].flat.device)
+        collectives.pack_rows(grads, out)
+        return Pending.done(_divided(out.view(-1), divide_by))
 
     def all_reduce(
         self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:
-        return Pending.done(self.pack_own(grads, (sum(g.numel() for g in grads),), dtype, divide_by))
+        out = torch.empty(sum(grad.numel() for grad in grads), dtype=dtype, device=grads[0].device)
+        collectives.pack(grads, out)
+        return Pending.done(_divided(out, divide_by))
+
+
+def _divided(packed: torch.Tensor, divide_by: int | None) -> torch.Tensor:
+    """The packed result of its own (never pooled: it becomes ``.grad``), divided if asked."""
+    return packed if divide_by is None else packed.div_(divide_by)
 
 
 def standalone_transport(group: ProcessGroup | None, device: torch.device) -> Transport:

@@ -26,6 +26,7 @@ from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
 from lightning_fsdp.engine import collectives
+from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, value_checksum
 from lightning_fsdp.engine.ledger import Stamp
 from lightning_fsdp.engine.options import ShardingOptions
@@ -375,19 +376,18 @@ class FSDPUnit:
         trainable = [p for p in self.params if p.requires_grad]
         if not trainable:
             return None
-        views, had_grad = [], []
+        rows, had_grad = [], []
         for fsdp_param in trainable:
-            grad = fsdp_param.grad_by_rank()
+            grad = fsdp_param.unsharded.grad
             had_grad.append(grad is not None)
-            if grad is None:
-                grad = fsdp_param.sharded.new_zeros(self.world_size, fsdp_param.layout.shard_numel)
-            views.append(grad)
-        reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or views[0].dtype
-        numel = self.world_size * sum(view.size(1) for view in views)
+            flat = grad.reshape(-1) if grad is not None else fsdp_param.unsharded.new_empty(0)  # empty: zeros
+            rows.append(RankRows(flat, fsdp_param.layout.shard_numel))
+        reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or rows[0].flat.dtype
+        numel = self.world_size * sum(row.columns for row in rows)
         stamp = self.stamp("reduce-scatter", numel, reduce_dtype) if self.world_size > 1 else None
         divide_by = self._divide_before_reducing(reduce_dtype)
         with torch.no_grad():  # the cast to reduce_dtype, if any, is the transport's packing copy
-            pending = self.transport().reduce_scatter(views, reduce_dtype, stamp, divide_by)
+            pending = self.transport().reduce_scatter(rows, reduce_dtype, stamp, divide_by)
         for fsdp_param in trainable:
             fsdp_param.unsharded.grad = None
         return PendingGradReduction(self, pending, had_grad, divide_by is None)

@@ -175,6 +175,41 @@ def _check_summon_more_units_than_slots(rank: int, world_size: int) -> None:
             assert torch.equal(full, expected), name
 
 
+def _check_a_large_root_does_not_size_the_slots(rank: int, world_size: int) -> None:
+    """A language model's root holds its embedding (here 30x a block): the slots fit the blocks, the root's two
+    collectives a step go over gloo, and training still equals the unsharded model's (see [Note: the root does not
+    size the slots] in ``hooks.py``)."""
+    config = GPTConfig(vocab_size=4093, block_size=8, n_layer=2, n_head=2, n_embd=16)  # 4093 rows: padded shards
+    torch.manual_seed(0)
+    reference = GPT(config)
+    torch.manual_seed(0)
+    model = fully_shard(GPT(config), {Block})
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, model)]
+    tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=torch.Generator().manual_seed(1))
+    counters = []
+    for _ in range(2):
+        for m, optimizer in zip((reference, model), optimizers, strict=True):
+            with CollectiveCounter() if m is model else contextlib.nullcontext() as counter:
+                m(tokens[:, :-1], tokens[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        counters.append(counter)
+    with summon_full_params(model):
+        for (name, full), (_, expected) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+            torch.testing.assert_close(full, expected, rtol=1e-5, atol=1e-6, msg=name)
+    units = units_under(model)
+    root, blocks = units[0], units[1:]
+    transport = root.transport()
+    assert isinstance(transport, SharedMemoryTransport)
+    for kind, set_name in (("all_gather", "all_gather"), ("reduce_scatter", "reduce")):
+        largest_block = max(unit.send_bytes()[kind] for unit in blocks)
+        assert largest_block <= transport.slots[set_name].slot_bytes < root.send_bytes()[kind], kind
+    assert transport.resident_bytes < root.send_bytes()["reduce_scatter"], "not even one of the root's gradients"
+    ops = [event.op for event in counters[-1].events]
+    assert ops.count("shm::reduce_scatter") == len(blocks), ops  # the root's reduction is gloo's all-to-all
+    assert sum(event.kind == "all_to_all" for event in counters[-1].events) == 1, ops
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_slots_are_agreed_and_fall_back_to_gloo_when_all_are_in_flight(world_size: int) -> None:
     run_distributed(_check_slots, world_size)
@@ -186,6 +221,10 @@ def test_a_slot_is_rewritten_only_after_every_rank_has_read_it() -> None:
 
 def test_every_rank_falls_back_to_gloo_together() -> None:
     run_distributed(_check_every_rank_agrees_to_fall_back, 2)
+
+
+def test_a_large_root_does_not_size_the_slots() -> None:
+    run_distributed(_check_a_large_root_does_not_size_the_slots, 2)
 
 
 def test_summon_full_params_with_more_units_than_slots() -> None:

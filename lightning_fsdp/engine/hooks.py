@@ -126,7 +126,7 @@ class RootContext:
         policy wrapped -- in a language model the embedding and the head, often the largest unit by far (GPT-2's
         50257 x 768 embedding is 31% of the model) -- and shared-memory slots sized for it would pin two of its full
         gradients and three of its shards in every rank's memory for the whole run (measured, GPT with a 50257-row
-        vocabulary on 2 ranks: peak RSS 1.37 x ddp, against 1.03 x with the root left out). A root larger than the
+        vocabulary on 2 ranks: peak RSS 1.35 x ddp, against 1.03 x with the root left out). A root larger than the
         slots sends its two collectives a step over gloo, whose buffers live only during the step.
         """
         root = self.root

@@ -34,7 +34,8 @@ Set ``LIGHTNING_FSDP_SHARED_MEMORY=0`` to keep everything on gloo.
 other ranks open it through ``/proc/<pid>/fd/<fd>`` of its creator, and the creator closes that descriptor as soon
 as every rank has mapped it. The memory then lives exactly as long as the processes that map it, and a rank killed
 at any moment -- before the others mapped its segment included -- leaves nothing behind for anyone to clean up. It
-is allocated in full when it is created (``SLOTS``: three of the largest unit's shard, two of its gradients), so
+is allocated in full when it is created (``SLOTS``: three of the largest unit's shard, two of its gradients; the root
+is left out where there are other units, see [Note: the root does not size the slots] in ``hooks.py``), so
 running out of memory is a refusal at creation (every rank falls back to gloo), not a SIGBUS mid-training.
 """
 

@@ -10,9 +10,11 @@ What a user of the strategy gets, end to end: ``LitGPT`` (``lightning_fsdp.demos
 ``configure_model``) on ``CharDataModule``, under ``Trainer(strategy=FSDPStrategy(auto_wrap_policy={Block}))``
 ("myfsdp"), under ``Trainer(strategy="myfsdp")`` with no argument at all ("myfsdp_default": the strategy finds the
 GPT's blocks itself), the same with ``forward_prefetch=True`` ("myfsdp_prefetch") and under
-``Trainer(strategy="ddp")``. Everything Lightning adds on top of
-``bench_engine.py`` is included: ``configure_model`` (on the CPU, as under Lightning's FSDP), the precision plugin,
-gradient clipping through the Trainer, hooks and logging, the ``DistributedSampler``.
+``Trainer(strategy="ddp")``; "plain" is the floor under all of them: two processes started together, each fitting the
+module alone on one device (no communication, no sharding, the same two cores shared), its step the slower one's.
+Everything Lightning adds on top of ``bench_engine.py`` is included: ``configure_model`` (on the CPU, as under
+Lightning's FSDP), the precision plugin, gradient clipping through the Trainer, hooks and logging, the
+``DistributedSampler``.
 
 Why it is built this way:
 
@@ -24,7 +26,10 @@ Why it is built this way:
   round's ratio, the number to quote: it compares runs that were neighbours in time.
 - Step time is what a ``Callback`` sees from ``on_train_batch_start`` to ``on_train_batch_end``: forward,
   backward, gradient reduction, clipping and the optimizer step. Per step the slowest rank counts; the first
-  ``--warmup`` steps (optimizer state created lazily, first gathers) are left out.
+  ``--warmup`` steps (optimizer state created lazily, first gathers) are left out. The same callback splits the
+  step at ``on_before_backward`` and ``on_after_backward`` into forward (with ``zero_grad``), backward (with the
+  gradient reductions, which finish before backward returns) and clipping plus the optimizer step, so a
+  difference between strategies shows where in the step it arises.
 - The same seed, data and optimizer (AdamW, constant learning rate, clipping at norm 1.0) under both, so the
   per-step training losses (rank means) must agree; a disagreement is printed as a WARNING line.
 - Per-rank parameters + gradients + optimizer state are counted after the last step, with ``bench_engine``'s
@@ -70,7 +75,8 @@ from lightning_fsdp.demos.gpt import Block  # noqa: E402
 from lightning_fsdp.demos.lit_gpt import LitGPT  # noqa: E402
 from lightning_fsdp.process_exit import exit_now  # noqa: E402
 
-IMPLS = ("ddp", "myfsdp", "myfsdp_default", "myfsdp_prefetch")
+IMPLS = ("ddp", "myfsdp", "myfsdp_default", "myfsdp_prefetch", "plain")
+PLAIN_PROCESSES = 2  # "plain" runs as many processes as the strategies have ranks
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,6 +114,7 @@ class StepRecorder(Callback):
 
     def __init__(self) -> None:
         self.step_times: list[float] = []
+        self.phase_ends: dict[str, list[float]] = {"forward": [], "backward": []}  # seconds into each step
         self.losses: list[float] = []
         self.state: dict[str, int] = {}
         self.gathered: list[dict[str, Any]] = []  # every rank's record, after training
@@ -116,6 +123,14 @@ class StepRecorder(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._start = time.perf_counter()
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        self.phase_ends["forward"].append(time.perf_counter() - self._start)
+
+    @override
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.phase_ends["backward"].append(time.perf_counter() - self._start)
 
     @override
     def on_train_batch_end(
@@ -131,7 +146,16 @@ class StepRecorder(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Gather every rank's record to rank 0 while the process group is certainly alive."""
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        mine = {"step_times_s": self.step_times, "losses": self.losses, "state_bytes": self.state, "peak_rss": peak_rss}
+        mine = {
+            "step_times_s": self.step_times,
+            "phase_ends_s": self.phase_ends,
+            "losses": self.losses,
+            "state_bytes": self.state,
+            "peak_rss": peak_rss,
+        }
+        if not dist.is_initialized():  # "plain": one process, no group; the parent joins the processes' records
+            self.gathered = [mine]
+            return
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         self.gathered = gathered
@@ -147,12 +171,13 @@ def run_one(args: argparse.Namespace) -> None:
         "myfsdp": FSDPStrategy(auto_wrap_policy={Block}),
         "myfsdp_default": "myfsdp",
         "myfsdp_prefetch": FSDPStrategy(forward_prefetch=True),  # the default units, the next one gathered ahead
+        "plain": "auto",
     }
     strategy = strategies[args.impl]
     recorder = StepRecorder()
     trainer = Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=1 if args.impl == "plain" else 2,
         strategy=strategy,
         max_steps=args.warmup + args.steps,
         gradient_clip_val=1.0,
@@ -183,19 +208,37 @@ def run_one(args: argparse.Namespace) -> None:
 
 
 def spawn(impl: str, args: argparse.Namespace, out: Path) -> dict[str, Any] | str:
-    """One fit in fresh processes (Lightning starts rank 1 from this command line); its record, or why not."""
+    """One fit in fresh processes (Lightning starts rank 1 from this command line); its record, or why not.
+
+    "plain" starts its processes together, each with its own output, and joins their records as ranks."""
+    outs = [out.with_name(f"{out.stem}_{i}{out.suffix}") for i in range(PLAIN_PROCESSES)] if impl == "plain" else [out]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    children = [
+        subprocess.Popen(
+            _command(impl, args, path), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for path in outs
+    ]
+    deadline = time.monotonic() + args.timeout
+    try:
+        logs = [child.communicate(timeout=max(0.0, deadline - time.monotonic()))[0] for child in children]
+    except subprocess.TimeoutExpired:
+        for child in children:
+            child.kill()
+            child.communicate()
+        return f"timed out after {args.timeout:g} s"
+    for child, log, path in zip(children, logs, outs, strict=True):
+        if child.returncode != 0 or not path.exists():
+            return f"exit code {child.returncode}:\n{log[-3000:]}"
+    records = [json.loads(path.read_text()) for path in outs]
+    return {"impl": impl, "ranks": [rank for record in records for rank in record["ranks"]]}
+
+
+def _command(impl: str, args: argparse.Namespace, out: Path) -> list[str]:
     command = [sys.executable, __file__, "--impl", impl, "--out", str(out)]
     for name in ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "warmup", "steps", "threads", "seed"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    command += ["--lr", str(args.lr)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return f"timed out after {args.timeout:g} s"
-    if done.returncode != 0 or not out.exists():
-        return f"exit code {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}"
-    return json.loads(out.read_text())
+    return [*command, "--lr", str(args.lr)]
 
 
 def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
@@ -211,12 +254,30 @@ def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "step_time_min_s": min(step_times),
         "step_time_max_s": max(step_times),
         "step_time_run_medians_s": [statistics.median(_timed(r, warmup)) for r in records],
+        "phase_medians_s": {
+            phase: statistics.median(t for r in records for t in _phase_times(r, phase, warmup)) for phase in PHASES
+        },
         "rounds": [r["round"] for r in records],
         "loss_curve": curves[0],
         "loss_same_every_run": all(curve == curves[0] for curve in curves),
         "state_bytes": {k: max(x["state_bytes"][k] for x in first) for k in first[0]["state_bytes"]},
         "peak_rss_median_bytes": statistics.median(max(x["peak_rss"] for x in r["ranks"]) for r in records),
     }
+
+
+PHASES = ("forward", "backward", "clip+optimizer")
+
+
+def _phase_times(record: dict[str, Any], phase: str, warmup: int) -> list[float]:
+    """The slowest rank's time in ``phase`` of each step after the warm-up."""
+    index = PHASES.index(phase)
+    per_rank = []
+    for rank in record["ranks"]:
+        ends = rank["phase_ends_s"]
+        # Each step's boundaries: its start, the ends of forward and backward, its end.
+        steps = zip(ends["forward"], ends["backward"], rank["step_times_s"], strict=True)
+        per_rank.append([bounds[index + 1] - bounds[index] for bounds in ((0.0, *step) for step in steps)])
+    return [max(ranks) for ranks in zip(*per_rank, strict=True)][warmup:]
 
 
 def _timed(record: dict[str, Any], warmup: int) -> list[float]:
@@ -231,6 +292,7 @@ def report(summaries: dict[str, dict[str, Any]], args: argparse.Namespace, num_p
         ("step time (min)", lambda s: f"{s['step_time_min_s'] * 1e3:.0f} ms"),
         ("step time (max)", lambda s: f"{s['step_time_max_s'] * 1e3:.0f} ms"),
         ("  run medians", lambda s: " ".join(f"{t * 1e3:.0f}" for t in s["step_time_run_medians_s"])),
+        *((f"  {phase} (median)", _phase_cell(phase)) for phase in PHASES),
         ("params+grads+optim", lambda s: f"{s['state_bytes']['total'] / 2**20:.1f} MiB"),
         ("peak RSS (median)", lambda s: f"{s['peak_rss_median_bytes'] / 2**20:.0f} MiB"),
         ("final loss", lambda s: f"{s['loss_curve'][-1]:.5f}"),
@@ -262,6 +324,8 @@ def report(summaries: dict[str, dict[str, Any]], args: argparse.Namespace, num_p
         lines.append(f"{'step time (paired)':24s}" + "".join(f"{_spread(paired[impl]):>20s}" for impl in ours_impls))
         rtol = LOSS_RTOL["fp32"]
         for impl in ours_impls:
+            if impl == "plain":  # each process fits the whole batch stream alone: other losses than ddp's mean
+                continue
             pairs = zip(summaries[impl]["loss_curve"], ddp["loss_curve"], strict=True)
             bad = next(((i, m, t) for i, (m, t) in enumerate(pairs) if abs(m - t) > rtol * abs(t)), None)
             if bad is not None:
@@ -273,6 +337,10 @@ def report(summaries: dict[str, dict[str, Any]], args: argparse.Namespace, num_p
         if not s["loss_same_every_run"]:
             lines.append(f"WARNING: {impl} is not deterministic: its losses differ between runs")
     return lines
+
+
+def _phase_cell(phase: str) -> Any:
+    return lambda s: f"{s['phase_medians_s'][phase] * 1e3:.0f} ms"
 
 
 def _paired_ratios(ours: dict[str, Any], ddp: dict[str, Any]) -> list[float]:

@@ -29,7 +29,9 @@ Why it is built this way:
   ``--warmup`` steps (optimizer state created lazily, first gathers) are left out. The same callback splits the
   step at ``on_before_backward`` and ``on_after_backward`` into forward (with ``zero_grad``), backward (with the
   gradient reductions, which finish before backward returns) and clipping plus the optimizer step, so a
-  difference between strategies shows where in the step it arises.
+  difference between strategies shows where in the step it arises. "off CPU" is, per rank and step, the step's
+  time less the CPU time of the thread that trains (``time.thread_time``): what that thread spent waiting for the
+  other rank, for a collective or for a core. For "plain" it is the machine's own noise.
 - The same seed, data and optimizer (AdamW, constant learning rate, clipping at norm 1.0) under both, so the
   per-step training losses (rank means) must agree; a disagreement is printed as a WARNING line.
 - Per-rank parameters + gradients + optimizer state are counted after the last step, with ``bench_engine``'s
@@ -115,14 +117,17 @@ class StepRecorder(Callback):
     def __init__(self) -> None:
         self.step_times: list[float] = []
         self.phase_ends: dict[str, list[float]] = {"forward": [], "backward": []}  # seconds into each step
+        self.off_cpu: list[float] = []  # seconds of each step the training thread was not running
         self.losses: list[float] = []
         self.state: dict[str, int] = {}
         self.gathered: list[dict[str, Any]] = []  # every rank's record, after training
         self._start = 0.0
+        self._start_cpu = 0.0
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._start = time.perf_counter()
+        self._start_cpu = time.thread_time()
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
@@ -137,6 +142,7 @@ class StepRecorder(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.step_times.append(time.perf_counter() - self._start)
+        self.off_cpu.append(self.step_times[-1] - (time.thread_time() - self._start_cpu))
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
         if trainer.global_step >= trainer.max_steps:
@@ -149,6 +155,7 @@ class StepRecorder(Callback):
         mine = {
             "step_times_s": self.step_times,
             "phase_ends_s": self.phase_ends,
+            "off_cpu_s": self.off_cpu,
             "losses": self.losses,
             "state_bytes": self.state,
             "peak_rss": peak_rss,
@@ -257,6 +264,8 @@ def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "phase_medians_s": {
             phase: statistics.median(t for r in records for t in _phase_times(r, phase, warmup)) for phase in PHASES
         },
+        # Per rank and step: time the training thread waited (the peer, a collective, a lock) or was preempted.
+        "off_cpu_median_s": statistics.median(t for r in records for x in r["ranks"] for t in x["off_cpu_s"][warmup:]),
         "rounds": [r["round"] for r in records],
         "loss_curve": curves[0],
         "loss_same_every_run": all(curve == curves[0] for curve in curves),
@@ -293,6 +302,7 @@ def report(summaries: dict[str, dict[str, Any]], args: argparse.Namespace, num_p
         ("step time (max)", lambda s: f"{s['step_time_max_s'] * 1e3:.0f} ms"),
         ("  run medians", lambda s: " ".join(f"{t * 1e3:.0f}" for t in s["step_time_run_medians_s"])),
         *((f"  {phase} (median)", _phase_cell(phase)) for phase in PHASES),
+        ("  off CPU (median)", lambda s: f"{s['off_cpu_median_s'] * 1e3:.0f} ms"),
         ("params+grads+optim", lambda s: f"{s['state_bytes']['total'] / 2**20:.1f} MiB"),
         ("peak RSS (median)", lambda s: f"{s['peak_rss_median_bytes'] / 2**20:.0f} MiB"),
         ("final loss", lambda s: f"{s['loss_curve'][-1]:.5f}"),

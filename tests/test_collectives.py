@@ -152,3 +152,38 @@ def test_pool_reuses_buffers_by_size_and_keeps_few() -> None:
     nothing_kept = BufferPool(retain=False)
     nothing_kept.give(first)
     assert nothing_kept.take(10, torch.float32, torch.device("cpu")).data_ptr() != first.data_ptr()
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_own_row_summed_from_the_gradients_equals_the_packed_sum(world_size: int, dtype: torch.dtype) -> None:
+    """Every rank's buffer from ``pack_peer_rows`` (its own row never written: left NaN here) and each rank's row
+    summed by ``sum_own_row`` from the others' buffers and its own gradients: bit for bit the zero-padded rows summed
+    then divided, for every shape of SHAPES, a gradient that never arrived (empty) and a rank with no rows (3 rows
+    on 4 or 5 ranks), with a power-of-two divisor folded in and without one."""
+    fulls = [_full(i, world_size) for i in range(len(SHAPES))]
+    columns = [ShardLayout.for_shape(full.shape, 0, world_size).shard_numel for full in fulls] + [2]
+    flats_by_rank = [[full.reshape(-1) * (rank + 1) for full in fulls] + [torch.empty(0)] for rank in range(world_size)]
+    grads_by_rank = [
+        [collectives.RankRows(flat.to(dtype), width) for flat, width in zip(flats, columns, strict=True)]
+        for flats in flats_by_rank
+    ]
+    padded_by_rank = []
+    for grads in grads_by_rank:
+        padded = torch.empty(world_size, sum(columns), dtype=dtype)
+        collectives.pack_rows(grads, padded)
+        padded_by_rank.append(padded)
+    for divisor in (1, 2, 4):
+        scale = 1.0 / divisor
+        buffers = []
+        for rank, grads in enumerate(grads_by_rank):
+            buffer = torch.full((world_size, sum(columns) + 2), float("nan"), dtype=dtype)[:, 1:-1]  # strided
+            collectives.pack_peer_rows(grads, buffer, rank, scale)
+            assert torch.isnan(buffer[rank]).all(), "the own row is never packed"
+            buffers.append(buffer)
+        for rank, grads in enumerate(grads_by_rank):
+            peers = [buffer[rank] for other, buffer in enumerate(buffers) if other != rank]
+            out = torch.full((sum(columns),), float("nan"), dtype=dtype)
+            collectives.sum_own_row(grads, rank, peers, scale, out)
+            expected = collectives.sum_rows([padded[rank] for padded in padded_by_rank]).div_(divisor)
+            assert torch.equal(out, expected), (rank, divisor)

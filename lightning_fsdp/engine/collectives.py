@@ -59,6 +59,60 @@ def _copy_zero_padded(flat: torch.Tensor, block: torch.Tensor) -> None:
     block[whole:].zero_()
 
 
+def pack_peer_rows(grads: list[RankRows], out: torch.Tensor, own: int, scale: float) -> None:
+    """``pack_rows`` of every row but ``own``, each multiplied by ``scale`` in the same copy.
+
+    [Note: the own row stays in the gradient] In a reduce-scatter through memory every rank can read, no rank needs
+    the row it keeps itself: packing it would only be copied out again by ``sum_own_row``, which reads it straight
+    from the gradients instead (the transport keeps them alive until then). And an average over a power-of-two
+    number of ranks is the same to the last bit whether each addend or the sum is divided (a power of two scales
+    the exponent alone), so the division rides on copies made anyway instead of a pass of its own. Together that
+    is three passes over a rank's row fewer per reduction: the own row's pack, its copy out, and the divide.
+    """
+    world_size = out.size(0)
+    offset = 0
+    for grad in grads:
+        for row in range(world_size):
+            if row != own:
+                _scaled_copy_zero_padded(row_of(grad, row), out[row, offset : offset + grad.columns], scale)
+        offset += grad.columns
+
+
+def sum_own_row(grads: list[RankRows], own: int, peers: list[torch.Tensor], scale: float, out: torch.Tensor) -> None:
+    """``out``: this rank's row of the sum over ranks, from ``peers`` (row ``own`` of every other rank's buffer,
+    packed by ``pack_peer_rows``) and row ``own`` of ``grads`` themselves, multiplied by ``scale`` as it is added.
+
+    See [Note: the own row stays in the gradient]. ``peers`` is never empty (a reduction has two ranks at least).
+    """
+    offset = 0
+    for grad in grads:
+        columns = slice(offset, offset + grad.columns)
+        mine, dest, theirs = row_of(grad, own), out[columns], [peer[columns] for peer in peers]
+        arrived = mine.numel()  # short or empty: the zero padding of the last rows, or a gradient that never came
+        torch.add(theirs[0][:arrived], mine, alpha=scale, out=dest[:arrived])
+        dest[arrived:].copy_(theirs[0][arrived:])
+        for peer in theirs[1:]:
+            dest.add_(peer)
+        offset += grad.columns
+
+
+def row_of(grad: RankRows, row: int) -> torch.Tensor:
+    """Row ``row`` of the gradient's zero-padded (world_size, columns) view, without its padding (short or empty)."""
+    numel = grad.flat.numel()
+    start = min(row * grad.columns, numel)
+    return grad.flat[start : min(start + grad.columns, numel)]
+
+
+def _scaled_copy_zero_padded(source: torch.Tensor, dest: torch.Tensor, scale: float) -> None:
+    """``source * scale`` into the start of the 1-D ``dest`` (casting to its dtype), zeros after it."""
+    head = dest[: source.numel()]
+    if scale == 1.0:
+        head.copy_(source)
+    else:
+        torch.mul(source, scale, out=head)
+    dest[source.numel() :].zero_()
+
+
 def unpack_all_gather(blocks: list[torch.Tensor], shard_numels: list[int], dests: list[torch.Tensor]) -> None:
     """Copy each parameter's rows out of every rank's packed shards into its padded unsharded buffer.
 

@@ -7,8 +7,10 @@ whether it overlaps compute or not, and a FULL_SHARD step issues 27 such collect
 same all-gather costs two copies the engine makes anyway (packing the shards, copying each parameter's rows out of
 the gathered buffer) and no message: each rank packs its send buffer straight into its own shared segment and,
 once every rank's counter says its data is there, every rank reads every other rank's segment. A reduce-scatter is the
-same with a sum: each rank packs its (world_size, shard) gradient buffer into its segment and sums row ``rank`` of
-every segment. This is what DeepSpeed's shared-memory all-reduce does for CPU ranks; NCCL does it on one node too.
+same with a sum: each rank packs the other ranks' rows of its (world_size, shard) gradient buffer into its segment
+and sums row ``rank`` of every other segment with its own row, read from the gradients themselves (see [Note: the
+own row stays in the gradient] in ``collectives.py``). This is what DeepSpeed's shared-memory all-reduce does for
+CPU ranks; NCCL does it on one node too.
 
 [Note: slots] Each rank's segment is cut into slots, one per collective in flight, in two sets sized by what each
 collective sends (``SLOTS``): all-gathers send a unit's shard, reductions (reduce-scatters: W shards of gradients;
@@ -148,9 +150,13 @@ class SlotSet:
     def nbytes(self) -> int:
         return self.count * self.stride
 
+    def available(self, nbytes: int) -> bool:
+        """Whether the next collective of ``nbytes`` gets a slot (else it runs over gloo)."""
+        return nbytes <= self.slot_bytes and bool(self._free)
+
     def acquire(self, nbytes: int) -> int | None:
         """The slot for the next collective, or None: it does not fit, or every slot is in flight (use gloo)."""
-        if nbytes > self.slot_bytes or not self._free:
+        if not self.available(nbytes):
             return None
         return self._free.popleft()
 
@@ -377,14 +383,19 @@ class SharedMemoryTransport(Transport):
     ) -> Pending[torch.Tensor]:
         world_size, columns = self.world_size, sum(grad.columns for grad in grads)
         slots = self.slots["reduce"]
+        own_row_in_grads = self.divides_exactly(divide_by or 1, grads, dtype)  # asked while a slot may be free
         taken = self._take(slots, world_size * columns * dtype.itemsize, stamp)
         if taken is None:
             return self.fallback.reduce_scatter(grads, dtype, stamp, divide_by)
         slot, sequence = taken
         send = self.view(slots, self.rank, slot, world_size * columns, dtype).view(world_size, columns)
-        collectives.pack_rows(grads, send)
-        if divide_by is not None:
-            send.div_(divide_by)
+        scale = 1.0 / (divide_by or 1)
+        if own_row_in_grads:  # see [Note: the own row stays in the gradient] in collectives.py
+            collectives.pack_peer_rows(grads, send, self.rank, scale)
+        else:
+            collectives.pack_rows(grads, send)
+            if divide_by is not None:
+                send.div_(divide_by)
         announce("reduce_scatter", "shm::reduce_scatter", send, world_size)
         self._publish(slots, slot, sequence, stamp)
 
@@ -394,11 +405,25 @@ class SharedMemoryTransport(Transport):
                 self.view(slots, rank, slot, world_size * columns, dtype).view(world_size, columns)[self.rank]
                 for rank in range(world_size)
             ]
-            result = collectives.sum_rows(rows)  # never aliases the slot: it becomes the parameters' .grad
+            if own_row_in_grads:  # ``grads`` stayed alive in this closure until now
+                result = torch.empty(columns, dtype=dtype, device=send.device)
+                peers = [row for rank, row in enumerate(rows) if rank != self.rank]
+                collectives.sum_own_row(grads, self.rank, peers, scale, result)
+            else:
+                result = collectives.sum_rows(rows)  # never aliases the slot: it becomes the parameters' .grad
             self._release(slots, slot, sequence)
             return result
 
         return Pending(finish)
+
+    def divides_exactly(self, divisor: int, grads: list[RankRows], dtype: torch.dtype) -> bool:
+        """Reduce-scatters of gradients already in ``dtype`` keep the own row in the gradients and, for a
+        power-of-two ``divisor``, divide inside copies they make anyway (see [Note: the own row stays in the
+        gradient] in ``collectives.py``)."""
+        nbytes = self.world_size * sum(grad.columns for grad in grads) * dtype.itemsize
+        power_of_two = divisor > 0 and divisor & (divisor - 1) == 0
+        same_dtype = all(grad.flat.dtype == dtype or grad.flat.numel() == 0 for grad in grads)
+        return power_of_two and same_dtype and self.slots["reduce"].available(nbytes)  # not gloo's pass over W rows
 
     def all_reduce(
         self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None

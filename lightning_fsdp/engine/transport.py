@@ -139,6 +139,11 @@ class Transport(ABC):
     ) -> Pending[torch.Tensor]:
         """The sum over ranks of the packed 1-D ``grads``."""
 
+    def divides_exactly(self, divisor: int, grads: list[RankRows], dtype: torch.dtype) -> bool:
+        """Whether ``reduce_scatter(grads, dtype, divide_by=divisor)`` divides at no cost of its own, to the same
+        bits as dividing the sum: then an fp32 average is divided there rather than in a pass over the result."""
+        return False
+
 
 class SingleRank(Transport):
     """No other rank: the collectives only pack (and cast)."""

@@ -61,7 +61,7 @@ class PendingGradReduction:
     unit: FSDPUnit
     pending: Pending[torch.Tensor]
     had_grad: list[bool]
-    divide_after: bool  # fp32 reductions divide the (W-times smaller) result; low precision divides first
+    divide_after: bool  # fp32 divides the (W-times smaller) result, unless the transport divides exactly for free
 
     def finish(self) -> None:
         with record_function("lightning_fsdp.wait_reduce"):
@@ -385,9 +385,12 @@ class FSDPUnit:
         reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or rows[0].flat.dtype
         numel = self.world_size * sum(row.columns for row in rows)
         stamp = self.stamp("reduce-scatter", numel, reduce_dtype) if self.world_size > 1 else None
+        transport = self.transport()
         divide_by = self._divide_before_reducing(reduce_dtype)
+        if divide_by is None and transport.divides_exactly(self.total_world_size, rows, reduce_dtype):
+            divide_by = self.total_world_size
         with torch.no_grad():  # the cast to reduce_dtype, if any, is the transport's packing copy
-            pending = self.transport().reduce_scatter(rows, reduce_dtype, stamp, divide_by)
+            pending = transport.reduce_scatter(rows, reduce_dtype, stamp, divide_by)
         for fsdp_param in trainable:
             fsdp_param.unsharded.grad = None
         return PendingGradReduction(self, pending, had_grad, divide_by is None)
@@ -408,7 +411,7 @@ class FSDPUnit:
 
     def _divide_before_reducing(self, dtype: torch.dtype) -> int | None:
         """Low precision divides by the ranks first, so the sum cannot overflow (the divisor); fp32 divides the
-        result after (None)."""
+        result after (None), unless the transport divides exactly for free (``Transport.divides_exactly``)."""
         return self.total_world_size if dtype in (torch.float16, torch.bfloat16) else None
 
     def accept_reduced_grads(self, reduced: torch.Tensor, had_grad: list[bool]) -> None:

@@ -168,6 +168,24 @@ class StepRecorder(Callback):
         self.gathered = gathered
 
 
+def timing_trainer(strategy: Any, devices: int, max_steps: int, callback: Callback) -> Trainer:
+    """A CPU Trainer that only trains and times: clipping at norm 1.0, no validation, logger, checkpoint or bar."""
+    return Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        gradient_clip_val=1.0,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+
+
 def run_one(args: argparse.Namespace) -> None:
     """Fit ``args.impl`` for warmup + steps steps; rank 0 writes what every rank recorded to ``args.out``."""
     torch.set_num_threads(args.threads)
@@ -180,22 +198,9 @@ def run_one(args: argparse.Namespace) -> None:
         "myfsdp_prefetch": FSDPStrategy(forward_prefetch=True),  # the default units, the next one gathered ahead
         "plain": "auto",
     }
-    strategy = strategies[args.impl]
     recorder = StepRecorder()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1 if args.impl == "plain" else 2,
-        strategy=strategy,
-        max_steps=args.warmup + args.steps,
-        gradient_clip_val=1.0,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[recorder],
-    )
+    devices = 1 if args.impl == "plain" else 2
+    trainer = timing_trainer(strategies[args.impl], devices, args.warmup + args.steps, recorder)
     model = LitGPT(
         n_layer=args.n_layer,
         n_head=args.n_head,

@@ -40,6 +40,8 @@ _REPO_ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("lightning_fsdp") is None:
     sys.path.insert(0, str(_REPO_ROOT))
 
+from bench_trainer import timing_trainer  # noqa: E402
+
 from lightning_fsdp.demos.datamodule import CharDataModule  # noqa: E402
 from lightning_fsdp.demos.lit_gpt import LitGPT  # noqa: E402
 from lightning_fsdp.engine import shm  # noqa: E402
@@ -93,20 +95,7 @@ def fit(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     seed_everything(0, verbose=False)
     record_waits()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="myfsdp",
-        max_steps=args.warmup + args.steps,
-        gradient_clip_val=1.0,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[StepMarks(args.out)],
-    )
+    trainer = timing_trainer("myfsdp", 2, args.warmup + args.steps, StepMarks(args.out))
     model = LitGPT(
         n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=128, warmup_steps=0, min_lr_ratio=1.0
     )

@@ -66,7 +66,8 @@ def pack_peer_rows(grads: list[RankRows], out: torch.Tensor, own: int, scale: fl
     the row it keeps itself: packing it would only be copied out again by ``sum_own_row``, which reads it straight
     from the gradients instead (the transport keeps them alive until then). And an average over a power-of-two
     number of ranks is the same to the last bit whether each addend or the sum is divided (a power of two scales
-    the exponent alone), so the division rides on copies made anyway instead of a pass of its own. Together that
+    the exponent alone; only values below the dtype's smallest normal number can round), so the division rides on
+    copies made anyway instead of a pass of its own. Together that
     is three passes over a rank's row fewer per reduction: the own row's pack, its copy out, and the divide.
     """
     world_size = out.size(0)

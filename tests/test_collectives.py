@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp.engine import collectives
+from lightning_fsdp.engine import collectives, shm
 from lightning_fsdp.engine.buffers import BufferPool
 from lightning_fsdp.engine.gloo import GlooTransport
 from lightning_fsdp.engine.ledger import CollectiveMismatchError, Ledger
@@ -36,12 +38,20 @@ def test_layout_gives_every_row_to_exactly_one_rank(world_size: int, rows: int) 
 
 
 def _transports(group: dist.ProcessGroup) -> dict[str, Transport]:
-    """Every transport a CPU group can run: NCCL's data path runs on gloo without side streams (see ``nccl.py``)."""
-    shared, reason = SharedMemoryTransport.create(group, {"all_gather": 4096, "reduce_scatter": 4096})
+    """Every transport a CPU group can run: NCCL's data path runs on gloo without side streams (see ``nccl.py``),
+    and shared memory with slots of 64 bytes, so every collective below streams in chunks whose edges fall inside
+    parameters, inside padding and between ranks' rows (see [Note: chunks] in ``shm.py``)."""
+    sizes = {"all_gather": 4096, "reduce_scatter": 4096}
+    shared, reason = SharedMemoryTransport.create(group, sizes)
     assert shared is not None, f"ranks of one host share memory, but: {reason}"
+    os.environ[shm.SLOT_SWITCH] = "0.00003"  # 31 bytes: one aligned 64-byte slot
+    chunked, _ = SharedMemoryTransport.create(group, sizes)
+    del os.environ[shm.SLOT_SWITCH]
+    assert chunked is not None and {slots.slot_bytes for slots in chunked.slots.values()} == {64}
     return {
         "gloo": GlooTransport(group),
         "shared memory": shared,
+        "shared memory in chunks": chunked,
         "nccl data path": NcclTransport(group, torch.device("cpu")),
     }
 
@@ -71,6 +81,11 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
                 dests = [torch.full((layout.padded_numel,), -1.0, dtype=dtype) for layout in layouts]
                 collectives.unpack_all_gather(blocks, [layout.shard_numel for layout in layouts], dests)
                 pending.release()
+                for full, dest in zip(fulls, dests, strict=True):
+                    assert torch.equal(dest[: full.numel()].view(full.shape), full.to(dtype)), case
+                # The same straight into the unsharded buffers (what a unit's unshard does).
+                dests = [torch.full((layout.padded_numel,), -1.0, dtype=dtype) for layout in layouts]
+                assert transport.all_gather_into(shards, dtype, stamp, dests).wait() is None, case
                 for full, dest in zip(fulls, dests, strict=True):
                     assert torch.equal(dest[: full.numel()].view(full.shape), full.to(dtype)), case
             # Reduce-scatter: rank r contributes (r + 1) * full, unpadded (the transport pads); every rank keeps its
@@ -132,6 +147,11 @@ def test_pack_rows_pads_in_place_of_a_padded_copy(world_size: int) -> None:
             [collectives.RankRows(flat, width) for flat, width in zip(flats, columns, strict=True)], out
         )
         assert torch.equal(out, torch.cat(padded, dim=-1).to(dtype)), dtype
+        for start, width in ((0, 1), (1, 5), (5, 9), (sum(columns) - 3, 3)):  # chunks: edges anywhere
+            chunk = torch.full((world_size, width), float("nan"), dtype=dtype)
+            grads = [collectives.RankRows(flat, cols) for flat, cols in zip(flats, columns, strict=True)]
+            collectives.pack_rows(grads, chunk, start)
+            assert torch.equal(chunk, out[:, start : start + width]), (dtype, start, width)
         unpadded = [collectives.RankRows(torch.arange(world_size * 3.0), 3), collectives.RankRows(torch.ones(0), 0)]
         fused = torch.empty(world_size, 3, dtype=dtype)
         collectives.pack_rows(unpadded, fused)  # nothing to pad: the one fused copy
@@ -187,3 +207,14 @@ def test_the_own_row_summed_from_the_gradients_equals_the_packed_sum(world_size:
             collectives.sum_own_row(grads, rank, peers, scale, out)
             expected = collectives.sum_rows([padded[rank] for padded in padded_by_rank]).div_(divisor)
             assert torch.equal(out, expected), (rank, divisor)
+            for start, width in ((0, 1), (1, 5), (5, 9), (sum(columns) - 3, 3)):  # a chunk of columns at a time
+                chunks = []
+                for other, grads in enumerate(grads_by_rank):
+                    chunk = torch.full((world_size, width), float("nan"), dtype=dtype)
+                    collectives.pack_peer_rows(grads, chunk, other, scale, start)
+                    assert torch.equal(chunk[rank], buffers[other][rank, start : start + width]) or other == rank
+                    chunks.append(chunk)
+                peers = [chunk[rank] for other, chunk in enumerate(chunks) if other != rank]
+                part = torch.full((width,), float("nan"), dtype=dtype)
+                collectives.sum_own_row(grads_by_rank[rank], rank, peers, scale, part, start)
+                assert torch.equal(part, expected[start : start + width]), (rank, divisor, start)

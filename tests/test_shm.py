@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from lightning_fsdp import fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine import peer_wait, shm
+from lightning_fsdp.engine import collectives, peer_wait, shm
 from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.comm_stats import CollectiveCounter
 from lightning_fsdp.engine.ledger import CollectiveMismatchError, Ledger
@@ -73,7 +73,7 @@ def _check_slots(rank: int, world_size: int) -> None:
     assert _dev_shm_entries_of(pids) == [], "nothing of this run in /dev/shm"
 
     slots = transport.slots["all_gather"]
-    assert slots.acquire(slots.slot_bytes + 1) is None, "a collective larger than a slot goes over gloo"
+    assert slots.acquire(slots.slot_bytes + 1) is None, "a chunk never outgrows its slot"
     assert [slots.acquire(8) for _ in range(GATHERS)] == [0, 1, 2], "every slot once"
     assert slots.acquire(8) is None, "every slot in flight: the next collective goes over gloo"
     slots.release(2)
@@ -175,15 +175,25 @@ def _check_summon_more_units_than_slots(rank: int, world_size: int) -> None:
             assert torch.equal(full, expected), name
 
 
-def _check_a_large_root_does_not_size_the_slots(rank: int, world_size: int) -> None:
-    """A language model's root holds its embedding (here 30x a block): the slots fit the blocks, the root's two
-    collectives a step go over gloo, and training still equals the unsharded model's (see [Note: the root does not
-    size the slots] in ``hooks.py``)."""
+def _check_a_large_root_streams_through_bounded_slots(rank: int, world_size: int, stalled: bool) -> None:
+    """A language model's root holds its embedding (here 30x a block) and the slots are bounded below a block's
+    reduction: every collective still goes through shared memory, the larger ones in chunks, the segment stays
+    five slots of the bound, and training equals the unsharded model's (see [Note: chunks] in ``shm.py``).
+    ``stalled``: rank 1 is slow at every chunk it packs, so the others wait for its chunks and for its reads."""
+    os.environ[shm.SLOT_SWITCH] = "0.01"  # 10485 bytes: a block's gather fits, its reduction and the root's do not
     config = GPTConfig(vocab_size=4093, block_size=8, n_layer=2, n_head=2, n_embd=16)  # 4093 rows: padded shards
     torch.manual_seed(0)
     reference = GPT(config)
     torch.manual_seed(0)
     model = fully_shard(GPT(config), {Block})
+    if stalled and rank == 1:
+        real_pack = collectives.pack_peer_rows
+
+        def slow_pack(*args: object) -> None:
+            time.sleep(0.01)
+            real_pack(*args)
+
+        collectives.pack_peer_rows = slow_pack
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, model)]
     tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=torch.Generator().manual_seed(1))
     counters = []
@@ -201,13 +211,19 @@ def _check_a_large_root_does_not_size_the_slots(rank: int, world_size: int) -> N
     root, blocks = units[0], units[1:]
     transport = root.transport()
     assert isinstance(transport, SharedMemoryTransport)
-    for kind, set_name in (("all_gather", "all_gather"), ("reduce_scatter", "reduce")):
-        largest_block = max(unit.send_bytes()[kind] for unit in blocks)
-        assert largest_block <= transport.slots[set_name].slot_bytes < root.send_bytes()[kind], kind
-    assert transport.resident_bytes < root.send_bytes()["reduce_scatter"], "not even one of the root's gradients"
-    ops = [event.op for event in counters[-1].events]
-    assert ops.count("shm::reduce_scatter") == len(blocks), ops  # the root's reduction is gloo's all-to-all
-    assert sum(event.kind == "all_to_all" for event in counters[-1].events) == 1, ops
+    bound = shm.slot_limit()
+    slot = -(-bound // 64) * 64
+    assert {kind: slots.slot_bytes for kind, slots in transport.slots.items()} == {"all_gather": slot, "reduce": slot}
+    assert max(unit.send_bytes()["all_gather"] for unit in blocks) <= slot < blocks[0].send_bytes()["reduce_scatter"]
+    assert root.send_bytes()["all_gather"] > 8 * bound, "the root's gather takes many chunks"
+    assert transport.resident_bytes == 64 + 5 * (64 + slot), "the segment does not grow with the root"
+    events = counters[-1].events
+    assert [e.op for e in events if not e.op.startswith("shm::")] == [], "nothing over gloo"
+    ops = [e.op for e in events]
+    assert ops.count("shm::reduce_scatter") == len(units), ops
+    gathered = {e.numel for e in events if e.op == "shm::all_gather"}
+    assert root.send_bytes()["all_gather"] // 4 in gathered, "a chunked collective is announced once, whole"
+    del os.environ[shm.SLOT_SWITCH]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -223,8 +239,9 @@ def test_every_rank_falls_back_to_gloo_together() -> None:
     run_distributed(_check_every_rank_agrees_to_fall_back, 2)
 
 
-def test_a_large_root_does_not_size_the_slots() -> None:
-    run_distributed(_check_a_large_root_does_not_size_the_slots, 2)
+@pytest.mark.parametrize(("world_size", "stalled"), [(2, False), (2, True), (3, False)])
+def test_a_large_root_streams_through_bounded_slots(world_size: int, stalled: bool) -> None:
+    run_distributed(_check_a_large_root_streams_through_bounded_slots, world_size, stalled)
 
 
 def test_summon_full_params_with_more_units_than_slots() -> None:

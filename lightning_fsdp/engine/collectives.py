@@ -25,42 +25,62 @@ class RankRows(NamedTuple):
     columns: int
 
 
-def pack(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+def pack(tensors: list[torch.Tensor], out: torch.Tensor, start: int = 0) -> None:
     """Concatenate 1-D ``tensors`` into the 1-D ``out`` (a unit's shards, or its replicated gradients), casting to
-    ``out``'s dtype."""
+    ``out``'s dtype; from element ``start`` of the concatenation on, as many as ``out`` holds (one chunk of a
+    collective streamed through a bounded slot: see [Note: chunks] in ``shm.py``)."""
+    if start or out.numel() != sum(t.numel() for t in tensors):
+        parts = window([t.numel() for t in tensors], start, start + out.numel())
+        tensors = [tensors[index][lo:hi] for index, lo, hi, _ in parts]
     if all(t.dtype == out.dtype for t in tensors):
         torch.cat(tensors, out=out)
     else:  # mixed precision: the cast is the packing copy
         torch._foreach_copy_(list(out.split([t.numel() for t in tensors])), tensors)
 
 
-def pack_rows(grads: list[RankRows], out: torch.Tensor) -> None:
-    """Lay ``grads`` side by side into ``out`` (world_size, sum of columns; any row stride), zero-padded, casting to
-    ``out``'s dtype: row r of ``out`` is what rank r receives."""
+def window(sizes: list[int], start: int, stop: int) -> list[tuple[int, int, int, int]]:
+    """The parts of ``[start, stop)`` of ``sizes`` laid side by side: ``(index, lo, hi, offset)`` for every part
+    ``index`` that overlaps it, its own ``[lo, hi)`` and where that begins inside the window."""
+    parts, begin = [], 0
+    for index, size in enumerate(sizes):
+        lo, hi = max(start - begin, 0), min(stop - begin, size)
+        if lo < hi:
+            parts.append((index, lo, hi, begin + lo - start))
+        begin += size
+    return parts
+
+
+def pack_rows(grads: list[RankRows], out: torch.Tensor, start: int = 0) -> None:
+    """Lay ``grads`` side by side into ``out`` (world_size, columns; any row stride), zero-padded, casting to
+    ``out``'s dtype: row r of ``out`` is what rank r receives. ``start``: the first column of the side-by-side
+    layout that ``out`` holds (a chunk; see [Note: chunks] in ``shm.py``)."""
     world_size = out.size(0)
-    if all(grad.flat.numel() == world_size * grad.columns for grad in grads):  # nothing to pad: one fused copy
+    whole = start == 0 and out.size(1) == sum(grad.columns for grad in grads)
+    if whole and all(grad.flat.numel() == world_size * grad.columns for grad in grads):  # one fused copy
         torch.cat([grad.flat.view(world_size, grad.columns) for grad in grads], dim=-1, out=out)
         return
-    offset = 0
-    for grad in grads:
-        _copy_zero_padded(grad.flat, out[:, offset : offset + grad.columns])
-        offset += grad.columns
+    for index, lo, hi, offset in window([grad.columns for grad in grads], start, start + out.size(1)):
+        grad = grads[index]
+        _copy_zero_padded(grad.flat, grad.columns, lo, out[:, offset : offset + hi - lo])
 
 
-def _copy_zero_padded(flat: torch.Tensor, block: torch.Tensor) -> None:
-    """``flat`` row-major into the (rows, columns) ``block``, zeros after its end."""
-    columns = block.size(1)
+def _copy_zero_padded(flat: torch.Tensor, columns: int, lo: int, block: torch.Tensor) -> None:
+    """Columns ``[lo, lo + block's width)`` of ``flat`` viewed row-major as (rows, ``columns``) into ``block``,
+    zeros after its end."""
+    width = block.size(1)
     whole, rest = divmod(flat.numel(), columns)
-    block[:whole].copy_(flat[: whole * columns].view(whole, columns))
+    block[:whole].copy_(flat[: whole * columns].view(whole, columns)[:, lo : lo + width])
     if rest:
-        block[whole, :rest].copy_(flat[whole * columns :])
-        block[whole, rest:].zero_()
+        arrived = max(min(rest - lo, width), 0)
+        tail = flat[whole * columns + lo : whole * columns + lo + arrived]
+        block[whole, :arrived].copy_(tail)
+        block[whole, arrived:].zero_()
         whole += 1
     block[whole:].zero_()
 
 
-def pack_peer_rows(grads: list[RankRows], out: torch.Tensor, own: int, scale: float) -> None:
-    """``pack_rows`` of every row but ``own``, each multiplied by ``scale`` in the same copy.
+def pack_peer_rows(grads: list[RankRows], out: torch.Tensor, own: int, scale: float, start: int = 0) -> None:
+    """``pack_rows`` of every row but ``own``, each multiplied by ``scale`` in the same copy (from column ``start``).
 
     [Note: the own row stays in the gradient] In a reduce-scatter through memory every rank can read, no rank needs
     the row it keeps itself: packing it would only be copied out again by ``sum_own_row``, which reads it straight
@@ -71,30 +91,29 @@ def pack_peer_rows(grads: list[RankRows], out: torch.Tensor, own: int, scale: fl
     is three passes over a rank's row fewer per reduction: the own row's pack, its copy out, and the divide.
     """
     world_size = out.size(0)
-    offset = 0
-    for grad in grads:
+    for index, lo, hi, offset in window([grad.columns for grad in grads], start, start + out.size(1)):
         for row in range(world_size):
             if row != own:
-                _scaled_copy_zero_padded(row_of(grad, row), out[row, offset : offset + grad.columns], scale)
-        offset += grad.columns
+                _scaled_copy_zero_padded(row_of(grads[index], row)[lo:hi], out[row, offset : offset + hi - lo], scale)
 
 
-def sum_own_row(grads: list[RankRows], own: int, peers: list[torch.Tensor], scale: float, out: torch.Tensor) -> None:
+def sum_own_row(
+    grads: list[RankRows], own: int, peers: list[torch.Tensor], scale: float, out: torch.Tensor, start: int = 0
+) -> None:
     """``out``: this rank's row of the sum over ranks, from ``peers`` (row ``own`` of every other rank's buffer,
     packed by ``pack_peer_rows``) and row ``own`` of ``grads`` themselves, multiplied by ``scale`` as it is added.
 
     See [Note: the own row stays in the gradient]. ``peers`` is never empty (a reduction has two ranks at least).
+    ``start``: the first column of the side-by-side layout that ``out`` and ``peers`` hold (a chunk).
     """
-    offset = 0
-    for grad in grads:
-        columns = slice(offset, offset + grad.columns)
-        mine, dest, theirs = row_of(grad, own), out[columns], [peer[columns] for peer in peers]
+    for index, lo, hi, offset in window([grad.columns for grad in grads], start, start + out.numel()):
+        columns = slice(offset, offset + hi - lo)
+        mine, dest, theirs = row_of(grads[index], own)[lo:hi], out[columns], [peer[columns] for peer in peers]
         arrived = mine.numel()  # short or empty: the zero padding of the last rows, or a gradient that never came
         torch.add(theirs[0][:arrived], mine, alpha=scale, out=dest[:arrived])
         dest[arrived:].copy_(theirs[0][arrived:])
         for peer in theirs[1:]:
             dest.add_(peer)
-        offset += grad.columns
 
 
 def row_of(grad: RankRows, row: int) -> torch.Tensor:
@@ -125,11 +144,21 @@ def unpack_all_gather(blocks: list[torch.Tensor], shard_numels: list[int], dests
         torch.split_with_sizes_copy(block.view(1, -1), shard_numels, dim=1, out=[row[rank : rank + 1] for row in rows])
 
 
-def sum_rows(rows: list[torch.Tensor]) -> torch.Tensor:
-    """The elementwise sum of equal-sized rows, into a new tensor (pairwise adds stream; ``sum(dim=0)`` strides)."""
+def unpack_gathered_chunk(
+    chunk: torch.Tensor, rank: int, start: int, shard_numels: list[int], rows: list[torch.Tensor]
+) -> None:
+    """``unpack_all_gather`` of one chunk of ``rank``'s packed shards (from element ``start``): each parameter's part
+    of it into row ``rank`` of its (world_size, shard_numel) ``rows``."""
+    for index, lo, hi, offset in window(shard_numels, start, start + chunk.numel()):
+        rows[index][rank, lo:hi].copy_(chunk[offset : offset + hi - lo])
+
+
+def sum_rows(rows: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The elementwise sum of equal-sized rows, into ``out`` or a new tensor (pairwise adds stream;
+    ``sum(dim=0)`` strides)."""
     if len(rows) == 1:
-        return rows[0].clone()
-    result = torch.add(rows[0], rows[1])
+        return rows[0].clone() if out is None else out.copy_(rows[0])
+    result = torch.add(rows[0], rows[1], out=out)
     for row in rows[2:]:
         result.add_(row)
     return result

@@ -122,22 +122,17 @@ class RootContext:
         """One transport per group the units communicate over, sized for the largest collective of each kind there
         (a collective over the group: this runs at the root's first forward, on every rank alike).
 
-        [Note: the root does not size the slots] Where there are other units, the root is left out: it holds what no
-        policy wrapped -- in a language model the embedding and the head, often the largest unit by far (GPT-2's
-        50257 x 768 embedding is 31% of the model) -- and shared-memory slots sized for it would pin two of its full
-        gradients and three of its shards in every rank's memory for the whole run (measured, GPT with a 50257-row
-        vocabulary on 2 ranks: peak RSS 1.35 x ddp, against 1.03 x with the root left out). A root larger than the
-        slots sends its two collectives a step over gloo, whose buffers live only during the step.
+        Every unit counts, the root too: the shared-memory transport bounds its slots itself and streams a larger
+        collective through them in chunks (see [Note: chunks] in ``shm.py``), so a language model's root -- its
+        embedding and head, often the largest unit by far -- neither sizes the segment nor leaves shared memory.
         """
         root = self.root
         needs: dict[int, dict[str, int]] = {}
-        for unit in (u for u in self.units if u is not root):
+        for unit in self.units:
             _add_needs(needs, unit)
-        roots_own: dict[int, dict[str, int]] = {}
-        _add_needs(roots_own, root)
         for group in (root.shard_group, root.replicate_group):
             if id(group) not in self.transports:
-                need = needs.get(id(group), roots_own[id(group)])  # the root's own only where it is alone
+                need = needs[id(group)]
                 self.transports[id(group)] = choose_transport(group, root.compute_device(), need)
 
     def describe(self) -> str:

@@ -22,9 +22,23 @@ rank's header shows it (see [Note: counters instead of barriers] in ``peer_wait.
 this rank has read the data of its collective (``release``, which writes the number into the header's read counter),
 and is written again only after every other rank's read counter says it has read it too. Taking the longest-free
 slot rather than the lowest gives the slowest reader time: reusing the slot just released made every rank wait for
-it, ~10 ms a step of the benchmark model. When every slot of its set is taken, or the collective is larger than a
-slot, it runs over gloo instead (every rank sees the same busy slots, so all of them do); a training step keeps at
-most two gathers and two reductions in flight, and ``summon_full_params`` more.
+it, ~10 ms a step of the benchmark model. A collective larger than a slot streams through the slots in chunks (see
+[Note: chunks]); only when every slot of its set is taken does it run over gloo instead (every rank sees the same busy
+slots, so all of them do): a training step keeps at most two gathers and two reductions in flight, and
+``summon_full_params`` more.
+
+[Note: chunks] A slot holds at most ``LIGHTNING_FSDP_SHM_SLOT_MIB`` MiB (``DEFAULT_SLOT_MIB``; less where no unit
+sends as much), so the segment's size is fixed whatever the model: a language model's root (its embedding and head,
+the largest tensors of the model) no longer sizes it, nor leaves shared memory for gloo. A larger collective is cut
+into chunks of a slot each (all-gather and all-reduce: elements of the packed buffer; reduce-scatter: columns of the
+(world_size, columns) gradient rows, so each chunk still holds every rank's part) and each chunk is one use of a slot
+like any other: stamped, published, awaited with the same timeout and dead-peer detection, released. Chunks are
+pipelined over two slots where two are free: a rank packs chunk k + 1 while its peers read chunk k. The chunks run
+when the collective is issued, except the last, which its ``wait`` reads: a chunked collective holds at most one slot
+between calls, so it never takes the slots of the gathers prefetched after it. What a chunk's readers copy out goes
+into buffers of the transport's pool (an all-gather's result: world_size blocks) or straight into the result (a
+reduction's sum), so a chunked reduction copies no more than one in a single slot, and a chunked all-gather one copy
+more (slot to result) than the views of a single slot.
 
 A rank waiting on another notices within a second when that rank has exited, and gives up after the process group's
 timeout: a dead rank never leaves the others hanging. Each slot starts with a header holding the identity of the
@@ -36,9 +50,9 @@ Set ``LIGHTNING_FSDP_SHARED_MEMORY=0`` to keep everything on gloo.
 other ranks open it through ``/proc/<pid>/fd/<fd>`` of its creator, and the creator closes that descriptor as soon
 as every rank has mapped it. The memory then lives exactly as long as the processes that map it, and a rank killed
 at any moment -- before the others mapped its segment included -- leaves nothing behind for anyone to clean up. It
-is allocated in full when it is created (``SLOTS``: three of the largest unit's shard, two of its gradients; the root
-is left out where there are other units, see [Note: the root does not size the slots] in ``hooks.py``), so
-running out of memory is a refusal at creation (every rank falls back to gloo), not a SIGBUS mid-training.
+is allocated in full when it is created (``SLOTS``: three gather slots and two reduction slots, each of at most
+``LIGHTNING_FSDP_SHM_SLOT_MIB``, see [Note: chunks]), so running out of memory is a refusal at creation (every rank
+falls back to gloo), not a SIGBUS mid-training.
 """
 
 from __future__ import annotations
@@ -46,6 +60,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections import deque
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -62,12 +77,29 @@ from lightning_fsdp.engine.transport import Pending, Transport, announce
 ENV_SWITCH = "LIGHTNING_FSDP_SHARED_MEMORY"
 SEGMENT_NAME = "lightning_fsdp"  # how the segments show in /proc/<pid>/maps: "/memfd:lightning_fsdp-<pid> (deleted)"
 SLOTS = {"all_gather": 3, "reduce": 2}  # slots per set: a gather in use, two prefetched; a reduction behind another
+SLOT_SWITCH = "LIGHTNING_FSDP_SHM_SLOT_MIB"
+DEFAULT_SLOT_MIB = 8.0  # a few MiB: chunks large enough that a chunk's bookkeeping costs nothing beside its copies
+PIPELINE = 2  # chunks of one collective published and not yet read by this rank (see [Note: chunks])
 
 
-def slot_bytes(send_bytes: dict[str, int]) -> dict[str, int]:
-    """The data each set's slots hold, from the largest send buffer of each collective kind (see [Note: slots])."""
+def slot_limit() -> int:
+    """The most data one slot holds, in bytes (``LIGHTNING_FSDP_SHM_SLOT_MIB``; see [Note: chunks])."""
+    text = os.environ.get(SLOT_SWITCH, "")
+    try:
+        mib = float(text) if text else DEFAULT_SLOT_MIB
+    except ValueError:
+        mib = -1.0
+    if not mib > 0:
+        raise ValueError(f"{SLOT_SWITCH}={text!r} is not a positive number of MiB; set it to e.g. 8, or unset it.")
+    return int(mib * 2**20)
+
+
+def slot_bytes(send_bytes: dict[str, int], world_size: int) -> dict[str, int]:
+    """The data each set's slots hold: the largest send buffer of each collective kind, at most ``slot_limit()``
+    (see [Note: chunks]), and at least one column of a reduce-scatter in the widest dtype."""
     reduce = max(send_bytes.get("reduce_scatter", 0), send_bytes.get("all_reduce", 0))
-    return {"all_gather": _aligned(send_bytes.get("all_gather", 0)), "reduce": _aligned(reduce)}
+    limit = max(slot_limit(), world_size * 8)
+    return {"all_gather": _aligned(min(send_bytes.get("all_gather", 0), limit)), "reduce": _aligned(min(reduce, limit))}
 
 
 _ALIGN = 64  # bytes: keeps every slot aligned for vectorised copies of any dtype
@@ -150,13 +182,13 @@ class SlotSet:
     def nbytes(self) -> int:
         return self.count * self.stride
 
-    def available(self, nbytes: int) -> bool:
-        """Whether the next collective of ``nbytes`` gets a slot (else it runs over gloo)."""
-        return nbytes <= self.slot_bytes and bool(self._free)
+    def has_free(self) -> bool:
+        """Whether the next collective gets a slot (else it runs over gloo)."""
+        return bool(self._free)
 
     def acquire(self, nbytes: int) -> int | None:
-        """The slot for the next collective, or None: it does not fit, or every slot is in flight (use gloo)."""
-        if not self.available(nbytes):
+        """The slot for the next collective (or chunk), or None: it does not fit, or every slot is in flight."""
+        if nbytes > self.slot_bytes or not self._free:
             return None
         return self._free.popleft()
 
@@ -172,7 +204,8 @@ class SlotSet:
 class SharedMemoryTransport(Transport):
     """Every rank of ``group`` maps every other rank's segment: a set of slots for all-gathers, one for reductions.
 
-    A collective that finds no free slot of its size runs over ``fallback``, a gloo transport of the same group.
+    A collective larger than a slot streams through the slots in chunks (see [Note: chunks]); one that finds no free
+    slot runs over ``fallback``, a gloo transport of the same group.
     """
 
     name = "shared memory"
@@ -188,7 +221,7 @@ class SharedMemoryTransport(Transport):
         self.sequence = 0  # uses of any slot so far: the same on every rank
         self.slots: dict[str, SlotSet] = {}
         offset = HEADER_BYTES  # after the rank's header
-        for kind, nbytes in slot_bytes(send_bytes).items():
+        for kind, nbytes in slot_bytes(send_bytes, self.world_size).items():
             self.slots[kind] = SlotSet(offset, SLOTS[kind], nbytes)
             offset += self.slots[kind].nbytes
         self.fallback = GlooTransport(group)
@@ -201,8 +234,10 @@ class SharedMemoryTransport(Transport):
         dist.barrier(group=group)  # every header is cleared before any rank reads another's
 
     @staticmethod
-    def segment_bytes(send_bytes: dict[str, int]) -> int:
-        slots = sum(SLOTS[kind] * (HEADER_BYTES + nbytes) for kind, nbytes in slot_bytes(send_bytes).items())
+    def segment_bytes(send_bytes: dict[str, int], world_size: int) -> int:
+        slots = sum(
+            SLOTS[kind] * (HEADER_BYTES + nbytes) for kind, nbytes in slot_bytes(send_bytes, world_size).items()
+        )
         return HEADER_BYTES + slots
 
     @property
@@ -226,7 +261,7 @@ class SharedMemoryTransport(Transport):
             return None, f"shared memory needs a gloo group, not {dist.get_backend(group)}"
         if not ORDERED_STORES:  # every rank runs on the same machine type, or none shares memory with another
             return None, "shared memory needs x86-64's store ordering (see [Note: counters instead of barriers])"
-        wanted = SharedMemoryTransport.segment_bytes(send_bytes)
+        wanted = SharedMemoryTransport.segment_bytes(send_bytes, group.size())
         token = uuid.uuid4().bytes
         fd = _reserve(wanted) if enabled() else None
         try:
@@ -363,6 +398,8 @@ class SharedMemoryTransport(Transport):
     ) -> Pending[list[torch.Tensor]]:
         numel = sum(shard.numel() for shard in shards)
         slots = self.slots["all_gather"]
+        if numel * dtype.itemsize > slots.slot_bytes:
+            return self._all_gather_chunked([shard.reshape(-1) for shard in shards], numel, dtype, stamp)
         taken = self._take(slots, numel * dtype.itemsize, stamp)
         if taken is None:
             return self.fallback.all_gather(shards, dtype, stamp)
@@ -378,58 +415,172 @@ class SharedMemoryTransport(Transport):
 
         return Pending(finish, lambda: self._release(slots, slot, sequence))
 
+    def all_gather_into(
+        self, shards: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, dests: list[torch.Tensor]
+    ) -> Pending[None]:
+        """A gather larger than a slot reads each chunk straight into ``dests`` (see [Note: chunks])."""
+        numel = sum(shard.numel() for shard in shards)
+        slots = self.slots["all_gather"]
+        if numel * dtype.itemsize <= slots.slot_bytes or not slots.has_free():
+            return super().all_gather_into(shards, dtype, stamp, dests)
+        flat = [shard.reshape(-1) for shard in shards]
+        return self._gather_chunks(flat, dtype, stamp, [shard.numel() for shard in flat], dests)
+
+    def _all_gather_chunked(
+        self, shards: list[torch.Tensor], numel: int, dtype: torch.dtype, stamp: Stamp | None
+    ) -> Pending[list[torch.Tensor]]:
+        """An all-gather larger than a slot, chunk by chunk into blocks of the pool (see [Note: chunks])."""
+        if not self.slots["all_gather"].has_free():
+            return self.fallback.all_gather(shards, dtype, stamp)
+        out = self.pool.take(self.world_size * numel, dtype, shards[0].device)
+        pending = self._gather_chunks(shards, dtype, stamp, [numel], [out])
+
+        def finish() -> list[torch.Tensor]:
+            pending.wait()
+            return list(out.view(self.world_size, numel).unbind(0))
+
+        return Pending(finish, lambda: self.pool.give(out))
+
+    def _gather_chunks(
+        self,
+        shards: list[torch.Tensor],
+        dtype: torch.dtype,
+        stamp: Stamp | None,
+        shard_numels: list[int],
+        dests: list[torch.Tensor],
+    ) -> Pending[None]:
+        """The packed 1-D ``shards`` of every rank, chunk by chunk, each rank's part of shard i copied into its row of
+        ``dests[i]`` viewed as (world_size, ``shard_numels[i]``) (``collectives.unpack_all_gather``'s layout)."""
+        slots, numel = self.slots["all_gather"], sum(shard_numels)
+        rows = [dest.view(self.world_size, -1) for dest in dests]
+
+        def pack(slot: int, start: int, stop: int) -> None:
+            collectives.pack(shards, self.view(slots, self.rank, slot, stop - start, dtype), start)
+
+        def read(slot: int, start: int, stop: int) -> None:
+            for rank in range(self.world_size):
+                chunk = self.view(slots, rank, slot, stop - start, dtype)
+                collectives.unpack_gathered_chunk(chunk, rank, start, shard_numels, rows)
+
+        announce("all_gather", "shm::all_gather", _payload((numel,), dtype), self.world_size)
+        last = self._stream(slots, numel, slots.slot_bytes // dtype.itemsize, dtype.itemsize, pack, read, stamp)
+        return Pending(last)
+
     def reduce_scatter(
         self, grads: list[RankRows], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:
         world_size, columns = self.world_size, sum(grad.columns for grad in grads)
         slots = self.slots["reduce"]
         own_row_in_grads = self.divides_exactly(divide_by or 1, grads, dtype)  # asked while a slot may be free
+        if world_size * columns * dtype.itemsize > slots.slot_bytes:
+            return self._reduce_scatter_chunked(grads, columns, dtype, stamp, divide_by, own_row_in_grads)
         taken = self._take(slots, world_size * columns * dtype.itemsize, stamp)
         if taken is None:
             return self.fallback.reduce_scatter(grads, dtype, stamp, divide_by)
         slot, sequence = taken
         send = self.view(slots, self.rank, slot, world_size * columns, dtype).view(world_size, columns)
         scale = 1.0 / (divide_by or 1)
-        if own_row_in_grads:  # see [Note: the own row stays in the gradient] in collectives.py
-            collectives.pack_peer_rows(grads, send, self.rank, scale)
-        else:
-            collectives.pack_rows(grads, send)
-            if divide_by is not None:
-                send.div_(divide_by)
+        self._pack_rows(grads, send, 0, own_row_in_grads, scale, divide_by)
         announce("reduce_scatter", "shm::reduce_scatter", send, world_size)
         self._publish(slots, slot, sequence, stamp)
 
         def finish() -> torch.Tensor:
             self._await_published(slots, slot, sequence, stamp)
-            rows = [
-                self.view(slots, rank, slot, world_size * columns, dtype).view(world_size, columns)[self.rank]
-                for rank in range(world_size)
-            ]
-            if own_row_in_grads:  # ``grads`` stayed alive in this closure until now
-                result = torch.empty(columns, dtype=dtype, device=send.device)
-                peers = [row for rank, row in enumerate(rows) if rank != self.rank]
-                collectives.sum_own_row(grads, self.rank, peers, scale, result)
-            else:
-                result = collectives.sum_rows(rows)  # never aliases the slot: it becomes the parameters' .grad
+            result = torch.empty(columns, dtype=dtype, device=send.device)  # never the slot: it becomes .grad
+            self._sum_own_rows(slots, slot, grads, result, 0, own_row_in_grads, scale)
             self._release(slots, slot, sequence)
             return result
 
         return Pending(finish)
 
+    def _reduce_scatter_chunked(
+        self,
+        grads: list[RankRows],
+        columns: int,
+        dtype: torch.dtype,
+        stamp: Stamp | None,
+        divide_by: int | None,
+        own_row_in_grads: bool,
+    ) -> Pending[torch.Tensor]:
+        """A reduce-scatter larger than a slot, a range of columns per chunk (see [Note: chunks])."""
+        world_size, slots = self.world_size, self.slots["reduce"]
+        if not slots.has_free():
+            return self.fallback.reduce_scatter(grads, dtype, stamp, divide_by)
+        result = torch.empty(columns, dtype=dtype, device=grads[0].flat.device)
+        scale = 1.0 / (divide_by or 1)
+
+        def pack(slot: int, start: int, stop: int) -> None:
+            send = self.view(slots, self.rank, slot, world_size * (stop - start), dtype).view(world_size, -1)
+            self._pack_rows(grads, send, start, own_row_in_grads, scale, divide_by)
+
+        def read(slot: int, start: int, stop: int) -> None:
+            self._sum_own_rows(slots, slot, grads, result[start:stop], start, own_row_in_grads, scale)
+
+        announce("reduce_scatter", "shm::reduce_scatter", _payload((world_size, columns), dtype), world_size)
+        per_chunk = slots.slot_bytes // (world_size * dtype.itemsize)
+        last = self._stream(slots, columns, per_chunk, world_size * dtype.itemsize, pack, read, stamp)
+
+        def finish() -> torch.Tensor:
+            last()  # ``grads`` stayed alive in this closure until now
+            return result
+
+        return Pending(finish)
+
+    def _pack_rows(
+        self,
+        grads: list[RankRows],
+        send: torch.Tensor,
+        start: int,
+        own_row_in_grads: bool,
+        scale: float,
+        divide_by: int | None,
+    ) -> None:
+        """Columns ``start`` on of ``grads``' rows into this rank's (world_size, columns) ``send``."""
+        if own_row_in_grads:  # see [Note: the own row stays in the gradient] in collectives.py
+            collectives.pack_peer_rows(grads, send, self.rank, scale, start)
+        else:
+            collectives.pack_rows(grads, send, start)
+            if divide_by is not None:
+                send.div_(divide_by)
+
+    def _sum_own_rows(
+        self,
+        slots: SlotSet,
+        slot: int,
+        grads: list[RankRows],
+        out: torch.Tensor,
+        start: int,
+        own_row_in_grads: bool,
+        scale: float,
+    ) -> None:
+        """``out``: this rank's row of every rank's ``slot`` summed (columns ``start`` on), its own from ``grads``
+        where it stayed there."""
+        world_size, width = self.world_size, out.numel()
+        rows = [
+            self.view(slots, rank, slot, world_size * width, out.dtype).view(world_size, width)[self.rank]
+            for rank in range(world_size)
+        ]
+        if own_row_in_grads:
+            peers = [row for rank, row in enumerate(rows) if rank != self.rank]
+            collectives.sum_own_row(grads, self.rank, peers, scale, out, start)
+        else:
+            collectives.sum_rows(rows, out)
+
     def divides_exactly(self, divisor: int, grads: list[RankRows], dtype: torch.dtype) -> bool:
         """Reduce-scatters of gradients already in ``dtype`` keep the own row in the gradients and, for a
         power-of-two ``divisor``, divide inside copies they make anyway (see [Note: the own row stays in the
         gradient] in ``collectives.py``)."""
-        nbytes = self.world_size * sum(grad.columns for grad in grads) * dtype.itemsize
         power_of_two = divisor > 0 and divisor & (divisor - 1) == 0
         same_dtype = all(grad.flat.dtype == dtype or grad.flat.numel() == 0 for grad in grads)
-        return power_of_two and same_dtype and self.slots["reduce"].available(nbytes)  # not gloo's pass over W rows
+        return power_of_two and same_dtype and self.slots["reduce"].has_free()  # not gloo's pass over W rows
 
     def all_reduce(
         self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:
         numel = sum(grad.numel() for grad in grads)
         slots = self.slots["reduce"]
+        if numel * dtype.itemsize > slots.slot_bytes:
+            return self._all_reduce_chunked(grads, numel, dtype, stamp, divide_by)
         taken = self._take(slots, numel * dtype.itemsize, stamp)
         if taken is None:
             return self.fallback.all_reduce(grads, dtype, stamp, divide_by)
@@ -448,6 +599,77 @@ class SharedMemoryTransport(Transport):
             return result
 
         return Pending(finish)
+
+    def _all_reduce_chunked(
+        self, grads: list[torch.Tensor], numel: int, dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None
+    ) -> Pending[torch.Tensor]:
+        """An all-reduce larger than a slot, summed chunk by chunk into its result (see [Note: chunks])."""
+        slots = self.slots["reduce"]
+        if not slots.has_free():
+            return self.fallback.all_reduce(grads, dtype, stamp, divide_by)
+        result = torch.empty(numel, dtype=dtype, device=grads[0].device)
+
+        def pack(slot: int, start: int, stop: int) -> None:
+            send = self.view(slots, self.rank, slot, stop - start, dtype)
+            collectives.pack(grads, send, start)
+            if divide_by is not None:
+                send.div_(divide_by)
+
+        def read(slot: int, start: int, stop: int) -> None:
+            views = [self.view(slots, rank, slot, stop - start, dtype) for rank in range(self.world_size)]
+            collectives.sum_rows(views, result[start:stop])
+
+        announce("all_reduce", "shm::all_reduce", _payload((numel,), dtype), self.world_size)
+        last = self._stream(slots, numel, slots.slot_bytes // dtype.itemsize, dtype.itemsize, pack, read, stamp)
+
+        def finish() -> torch.Tensor:
+            last()
+            return result
+
+        return Pending(finish)
+
+    def _stream(
+        self,
+        slots: SlotSet,
+        total: int,
+        per_chunk: int,
+        unit_bytes: int,
+        pack: Callable[[int, int, int], None],
+        read: Callable[[int, int, int], None],
+        stamp: Stamp | None,
+    ) -> Callable[[], None]:
+        """Run one collective as chunks of ``per_chunk`` of its ``total`` units (elements or columns of
+        ``unit_bytes`` each) through ``slots``, which has a free slot: ``pack(slot, start, stop)`` writes this rank's
+        part of a chunk into its slot, ``read(slot, start, stop)`` reads every rank's once all are published.
+
+        Returns the read of the last chunk, for the collective's ``wait``; see [Note: chunks].
+        """
+        in_flight: deque[tuple[int, int, int, int]] = deque()  # (slot, sequence, start, stop), oldest first
+
+        def read_oldest() -> None:
+            slot, sequence, start, stop = in_flight.popleft()
+            self._await_published(slots, slot, sequence, stamp)
+            read(slot, start, stop)
+            self._release(slots, slot, sequence)
+
+        for start in range(0, total, per_chunk):
+            stop = min(start + per_chunk, total)
+            if in_flight and (len(in_flight) == PIPELINE or not slots.has_free()):
+                read_oldest()
+            taken = self._take(slots, (stop - start) * unit_bytes, stamp)
+            assert taken is not None, "a slot is free: this rank released one or the set had one"
+            slot, sequence = taken
+            pack(slot, start, stop)
+            self._publish(slots, slot, sequence, stamp)
+            in_flight.append((slot, sequence, start, stop))
+        while len(in_flight) > 1:
+            read_oldest()
+        return read_oldest
+
+
+def _payload(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """What a chunked collective announces to the collective hooks: its whole payload's size, with no memory."""
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def _timeout_of(group: ProcessGroup) -> timedelta:

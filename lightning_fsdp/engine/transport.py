@@ -126,6 +126,20 @@ class Transport(ABC):
     ) -> Pending[list[torch.Tensor]]:
         """Every rank's packed ``shards`` (1-D tensors), one block per rank; see [Note: one transport per group]."""
 
+    def all_gather_into(
+        self, shards: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, dests: list[torch.Tensor]
+    ) -> Pending[None]:
+        """``all_gather``, then every rank's part of shard i into its row of ``dests[i]``, viewed as (world_size,
+        shard i's numel): a unit's padded unsharded buffers. Its ``wait`` returns once they are filled; a transport
+        that can fill them as the data arrives (chunks of shared memory) saves the gathered blocks' copy."""
+        pending = self.all_gather(shards, dtype, stamp)
+
+        def finish() -> None:
+            collectives.unpack_all_gather(pending.wait(), [shard.numel() for shard in shards], dests)
+            pending.release()
+
+        return Pending(finish)
+
     @abstractmethod
     def reduce_scatter(
         self, grads: list[RankRows], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None

@@ -25,7 +25,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
-from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, value_checksum
 from lightning_fsdp.engine.ledger import Stamp
@@ -110,7 +109,7 @@ class FSDPUnit:
         # step then calls the module's own forward.
         self.forward_depth = 0
         self.requires_grad_sync = True
-        self._pending_gather: Pending[list[torch.Tensor]] | None = None
+        self._pending_gather: Pending[None] | None = None
         self.prefetched = False  # unsharded ahead of use; cleared when the unit is used
         self.context: Any = None  # the RootContext of the root this unit runs under, set at the root's lazy init
         self.grads_expected = 0  # trainable parameters, counted at pre-forward
@@ -310,7 +309,8 @@ class FSDPUnit:
             dtype = self.options.mixed_precision.param_dtype or shards[0].dtype
             numel = sum(shard.numel() for shard in shards)
             stamp = self.stamp("all-gather", numel, dtype) if self.world_size > 1 else None
-            self._pending_gather = self.transport().all_gather(shards, dtype, stamp)
+            dests = [fsdp_param.unsharded_buffer for fsdp_param in self.params]
+            self._pending_gather = self.transport().all_gather_into(shards, dtype, stamp, dests)
         self.shard_state = ShardState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
@@ -322,12 +322,7 @@ class FSDPUnit:
         assert self._pending_gather is not None
         pending, self._pending_gather = self._pending_gather, None
         with record_function("lightning_fsdp.wait_unshard"), torch.no_grad():
-            collectives.unpack_all_gather(
-                pending.wait(),
-                [fsdp_param.layout.shard_numel for fsdp_param in self.params],
-                [fsdp_param.unsharded_buffer for fsdp_param in self.params],
-            )
-            pending.release()
+            pending.wait()  # the gathered rows are in the unsharded buffers
             for fsdp_param in self.params:
                 fsdp_param.register_unsharded()
         self.shard_state = ShardState.UNSHARDED

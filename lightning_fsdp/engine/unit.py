@@ -217,11 +217,17 @@ class FSDPUnit:
         return reached and self.training_state is not TrainingState.POST_BACKWARD
 
     def finish_backward(self) -> PendingGradReduction | None:
-        """Stage 5: launch the gradient reduction (unless sync is off), reshard, and say so."""
+        """Stage 5: reshard, launch the gradient reduction (unless sync is off), and say so.
+
+        Resharding first gives the full parameters back before the reduction packs (and, for a unit larger than a
+        shared-memory slot, mostly runs: see [Note: chunks] in ``shm.py``): the gradients are tensors of their own,
+        so a rank never holds a unit's full parameters, its full gradients and its reduced rows at once. For a
+        language model's root (embedding and head) that is the peak of the step, measured on the benchmark model.
+        """
         self._expect("finish its backward", TrainingState.IDLE, TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
-        reduction = self.reduce_grads() if self.requires_grad_sync else None
         if not self.in_forward:  # see [Note: backward inside a forward] in hooks.py
             self.reshard()
+        reduction = self.reduce_grads() if self.requires_grad_sync else None
         self.training_state = TrainingState.POST_BACKWARD
         return reduction
 

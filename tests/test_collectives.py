@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp.engine import collectives, shm
+from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.buffers import BufferPool
+from lightning_fsdp.engine.comm_stats import CollectiveCounter
 from lightning_fsdp.engine.gloo import GlooTransport
 from lightning_fsdp.engine.ledger import CollectiveMismatchError, Ledger
 from lightning_fsdp.engine.nccl import NcclTransport
 from lightning_fsdp.engine.param import ShardLayout
 from lightning_fsdp.engine.shm import SharedMemoryTransport
-from lightning_fsdp.engine.transport import SingleRank, Transport, standalone_transport
+from lightning_fsdp.engine.transport import CHUNK_SWITCH, SingleRank, Transport, standalone_transport
 from tests.distributed import run_distributed
 
 # (rows, row shape): divisible, not divisible, fewer rows than ranks, a 0-dim tensor.
@@ -44,16 +47,39 @@ def _transports(group: dist.ProcessGroup) -> dict[str, Transport]:
     sizes = {"all_gather": 4096, "reduce_scatter": 4096}
     shared, reason = SharedMemoryTransport.create(group, sizes)
     assert shared is not None, f"ranks of one host share memory, but: {reason}"
-    os.environ[shm.SLOT_SWITCH] = "0.00003"  # 31 bytes: one aligned 64-byte slot
+    os.environ[CHUNK_SWITCH] = "0.00003"  # 31 bytes: one aligned 64-byte slot
     chunked, _ = SharedMemoryTransport.create(group, sizes)
-    del os.environ[shm.SLOT_SWITCH]
+    del os.environ[CHUNK_SWITCH]
     assert chunked is not None and {slots.slot_bytes for slots in chunked.slots.values()} == {64}
     return {
         "gloo": GlooTransport(group),
+        "gloo in chunks": GlooInChunks(group),
         "shared memory": shared,
         "shared memory in chunks": chunked,
         "nccl data path": NcclTransport(group, torch.device("cpu")),
     }
+
+
+class GlooInChunks(GlooTransport):
+    """Gloo with chunks of ~200 bytes: a few elements or columns of the shapes below per chunk (one at 4 ranks),
+    stamps included (see [Note: chunks over gloo] in ``gloo.py``)."""
+
+    def all_gather_into(self, *args, **kwargs):
+        with _chunk_mib("0.0002"):
+            return super().all_gather_into(*args, **kwargs)
+
+    def reduce_scatter(self, *args, **kwargs):
+        with _chunk_mib("0.0002"):
+            return super().reduce_scatter(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _chunk_mib(value: str) -> Iterator[None]:
+    os.environ[CHUNK_SWITCH] = value
+    try:
+        yield
+    finally:
+        del os.environ[CHUNK_SWITCH]
 
 
 def _check_gather_and_reduce(rank: int, world_size: int) -> None:
@@ -85,7 +111,12 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
                     assert torch.equal(dest[: full.numel()].view(full.shape), full.to(dtype)), case
                 # The same straight into the unsharded buffers (what a unit's unshard does).
                 dests = [torch.full((layout.padded_numel,), -1.0, dtype=dtype) for layout in layouts]
-                assert transport.all_gather_into(shards, dtype, stamp, dests).wait() is None, case
+                with CollectiveCounter() as counter:
+                    assert transport.all_gather_into(shards, dtype, stamp, dests).wait() is None, case
+                if label == "shared memory in chunks":
+                    assert len(counter.events) == 1, "announced once, whole"
+                if label == "gloo in chunks" and dtype == torch.float32:
+                    assert len(counter.events) > 1, "a gloo collective per chunk"
                 for full, dest in zip(fulls, dests, strict=True):
                     assert torch.equal(dest[: full.numel()].view(full.shape), full.to(dtype)), case
             # Reduce-scatter: rank r contributes (r + 1) * full, unpadded (the transport pads); every rank keeps its

@@ -19,11 +19,12 @@ from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
 from lightning_fsdp.engine import collectives, peer_wait, shm
 from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.gloo import GlooTransport
 from lightning_fsdp.engine.ledger import CollectiveMismatchError, Ledger
 from lightning_fsdp.engine.peer_wait import PeerExitedError
 from lightning_fsdp.engine.registry import units_under
 from lightning_fsdp.engine.shm import SLOTS, SharedMemoryTransport
-from lightning_fsdp.engine.transport import Pending
+from lightning_fsdp.engine.transport import CHUNK_SWITCH, Pending, chunk_limit
 from tests.distributed import run_distributed
 
 
@@ -175,25 +176,29 @@ def _check_summon_more_units_than_slots(rank: int, world_size: int) -> None:
             assert torch.equal(full, expected), name
 
 
-def _check_a_large_root_streams_through_bounded_slots(rank: int, world_size: int, stalled: bool) -> None:
-    """A language model's root holds its embedding (here 30x a block) and the slots are bounded below a block's
+def _check_a_large_root_streams_in_chunks(rank: int, world_size: int, stalled: bool, shared_memory: bool) -> None:
+    """A language model's root holds its embedding (here 30x a block) and chunks are bounded below a block's
     reduction: every collective still goes through shared memory, the larger ones in chunks, the segment stays
     five slots of the bound, and training equals the unsharded model's (see [Note: chunks] in ``shm.py``).
-    ``stalled``: rank 1 is slow at every chunk it packs, so the others wait for its chunks and for its reads."""
-    os.environ[shm.SLOT_SWITCH] = "0.01"  # 10485 bytes: a block's gather fits, its reduction and the root's do not
+    ``stalled``: rank 1 is slow at every chunk it packs, so the others wait for its chunks and for its reads.
+    Without ``shared_memory`` the same over gloo, whose large collectives go in chunks too (see [Note: chunks over
+    gloo] in ``gloo.py``)."""
+    os.environ[CHUNK_SWITCH] = "0.01"  # 10485 bytes: a block's gather fits, its reduction and the root's do not
+    os.environ[shm.ENV_SWITCH] = "1" if shared_memory else "0"
     config = GPTConfig(vocab_size=4093, block_size=8, n_layer=2, n_head=2, n_embd=16)  # 4093 rows: padded shards
     torch.manual_seed(0)
     reference = GPT(config)
     torch.manual_seed(0)
     model = fully_shard(GPT(config), {Block})
     if stalled and rank == 1:
-        real_pack = collectives.pack_peer_rows
+        real_packs = {"pack_peer_rows": collectives.pack_peer_rows, "pack_rows": collectives.pack_rows}
 
         def slow_pack(*args: object) -> None:
             time.sleep(0.01)
-            real_pack(*args)
+            real_packs["pack_peer_rows" if len(args) > 3 else "pack_rows"](*args)
 
         collectives.pack_peer_rows = slow_pack
+        collectives.pack_rows = slow_pack
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, model)]
     tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=torch.Generator().manual_seed(1))
     counters = []
@@ -210,20 +215,27 @@ def _check_a_large_root_streams_through_bounded_slots(rank: int, world_size: int
     units = units_under(model)
     root, blocks = units[0], units[1:]
     transport = root.transport()
+    bound = chunk_limit()
+    events = counters[-1].events
+    if not shared_memory:
+        assert isinstance(transport, GlooTransport) and not isinstance(transport, SharedMemoryTransport)
+        all_to_all = sum(event.kind == "all_to_all" for event in events)
+        assert all_to_all > len(units) + 8, "every block's reduction in two chunks or more, the root's in many"
+        assert max(event.bytes for event in events) <= bound, "no collective moves more than a chunk at once"
+        del os.environ[CHUNK_SWITCH], os.environ[shm.ENV_SWITCH]
+        return
     assert isinstance(transport, SharedMemoryTransport)
-    bound = shm.slot_limit()
     slot = -(-bound // 64) * 64
     assert {kind: slots.slot_bytes for kind, slots in transport.slots.items()} == {"all_gather": slot, "reduce": slot}
     assert max(unit.send_bytes()["all_gather"] for unit in blocks) <= slot < blocks[0].send_bytes()["reduce_scatter"]
     assert root.send_bytes()["all_gather"] > 8 * bound, "the root's gather takes many chunks"
     assert transport.resident_bytes == 64 + 5 * (64 + slot), "the segment does not grow with the root"
-    events = counters[-1].events
     assert [e.op for e in events if not e.op.startswith("shm::")] == [], "nothing over gloo"
     ops = [e.op for e in events]
     assert ops.count("shm::reduce_scatter") == len(units), ops
     gathered = {e.numel for e in events if e.op == "shm::all_gather"}
     assert root.send_bytes()["all_gather"] // 4 in gathered, "a chunked collective is announced once, whole"
-    del os.environ[shm.SLOT_SWITCH]
+    del os.environ[CHUNK_SWITCH], os.environ[shm.ENV_SWITCH]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -239,9 +251,11 @@ def test_every_rank_falls_back_to_gloo_together() -> None:
     run_distributed(_check_every_rank_agrees_to_fall_back, 2)
 
 
-@pytest.mark.parametrize(("world_size", "stalled"), [(2, False), (2, True), (3, False)])
-def test_a_large_root_streams_through_bounded_slots(world_size: int, stalled: bool) -> None:
-    run_distributed(_check_a_large_root_streams_through_bounded_slots, world_size, stalled)
+@pytest.mark.parametrize(
+    ("world_size", "stalled", "shared_memory"), [(2, False, True), (2, True, True), (3, False, True), (2, True, False)]
+)
+def test_a_large_root_streams_in_chunks(world_size: int, stalled: bool, shared_memory: bool) -> None:
+    run_distributed(_check_a_large_root_streams_in_chunks, world_size, stalled, shared_memory)
 
 
 def test_summon_full_params_with_more_units_than_slots() -> None:

@@ -10,9 +10,22 @@ input per rank) and runs asynchronously on gloo's worker threads, so on gloo we 
 so the frames travel as uint8 and the data is viewed in its dtype on both sides; after the wait every rank compares
 the stamps it received with its own. An all-reduce sums, so it carries the stamp's digest bits instead. The check
 costs a few bytes per collective, not a collective of its own.
+
+[Note: chunks over gloo] An all-gather or reduce-scatter whose buffers would exceed ``chunk_limit()`` (a language
+model's root: its embedding and head) runs as a series of collectives of at most that many bytes each, every chunk a
+frame with its stamp: a gather's chunks land straight in the unsharded buffers (``all_gather_into``), a reduction's
+chunks are summed straight into the result. At most ``PIPELINE`` chunks are in flight, the next one packed while gloo's
+threads move the one before, and their buffers come back to the pool for the next chunk, so a collective's
+temporaries are a few chunks whatever the unit's size, where whole-unit buffers were held by the pool until the end of
+the step (measured on the benchmark model with its 8192-token vocabulary: 1.76 x DDP's peak memory in a step). The
+chunks left in flight when the collective is issued finish in its ``wait``, behind compute.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +33,7 @@ import torch.distributed as dist
 from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.ledger import DIGEST_BITS, STAMP_BYTES, Stamp
-from lightning_fsdp.engine.transport import Pending, Transport
+from lightning_fsdp.engine.transport import PIPELINE, Pending, Transport, chunk_limit
 
 # torch 2.13 renamed the flat-tensor all-gather; older releases only have the old name.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -62,12 +75,58 @@ class GlooTransport(Transport):
 
         return Pending(finish, release)
 
+    def all_gather_into(
+        self, shards: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, dests: list[torch.Tensor]
+    ) -> Pending[None]:
+        """A gather whose output would exceed ``chunk_limit()`` goes in chunks (see [Note: chunks over gloo])."""
+        world_size = self.world_size
+        numel = sum(shard.numel() for shard in shards)
+        per_chunk = _per_chunk(world_size, dtype, stamp)
+        if world_size * frame_bytes(numel * dtype.itemsize, stamp) <= chunk_limit() or per_chunk == 0:
+            return super().all_gather_into(shards, dtype, stamp, dests)
+        flat = [shard.reshape(-1) for shard in shards]
+        shard_numels = [shard.numel() for shard in flat]
+        rows = [dest.view(world_size, -1) for dest in dests]
+        device, full_frame = flat[0].device, frame_bytes(per_chunk * dtype.itemsize, stamp)
+
+        def launch(start: int, stop: int) -> tuple[Any, ...]:
+            data_bytes = (stop - start) * dtype.itemsize
+            frame = frame_bytes(data_bytes, stamp)
+            send, output = (
+                self.pool.take(full_frame, torch.uint8, device),
+                self.pool.take(world_size * full_frame, torch.uint8, device),
+            )
+            collectives.pack(flat, send[:data_bytes].view(dtype), start)
+            if stamp is not None:
+                send[data_bytes:frame].copy_(stamp.as_bytes())
+            work = all_gather_flat(output[: world_size * frame], send[:frame], group=self.group, async_op=True)
+            return work, send, output, start, data_bytes, frame
+
+        def land(chunk: tuple[Any, ...]) -> None:
+            work, send, output, start, data_bytes, frame = chunk
+            work.wait()
+            frames = output[: world_size * frame].view(world_size, frame)
+            if stamp is not None:
+                stamp.verify_bytes(frames[:, data_bytes:], self.group)
+            for rank in range(world_size):
+                chunk_data = frames[rank, :data_bytes].view(dtype)
+                collectives.unpack_gathered_chunk(chunk_data, rank, start, shard_numels, rows)
+            self.pool.give(send)
+            self.pool.give(output)
+
+        return Pending(_pipelined(numel, per_chunk, launch, land))
+
     def reduce_scatter(
         self, grads: list[RankRows], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:
-        """See [Note: reduce-scatter on gloo]."""
+        """See [Note: reduce-scatter on gloo]; one larger than ``chunk_limit()`` goes in chunks of columns (see
+        [Note: chunks over gloo])."""
         pool, world_size = self.pool, self.world_size
-        data_bytes = sum(grad.columns for grad in grads) * dtype.itemsize
+        columns = sum(grad.columns for grad in grads)
+        per_chunk = _per_chunk(world_size, dtype, stamp)
+        if world_size * frame_bytes(columns * dtype.itemsize, stamp) > chunk_limit() and per_chunk > 0:
+            return self._reduce_scatter_chunked(grads, columns, per_chunk, dtype, stamp, divide_by)
+        data_bytes = columns * dtype.itemsize
         frame = frame_bytes(data_bytes, stamp)
         send = pool.take(world_size * frame, torch.uint8, grads[0].flat.device).view(world_size, frame)
         data = send[:, :data_bytes].view(dtype)
@@ -86,6 +145,54 @@ class GlooTransport(Transport):
             result = collectives.sum_rows(list(received[:, :data_bytes].view(dtype).unbind(0)))
             pool.give(send)
             pool.give(received)
+            return result
+
+        return Pending(finish)
+
+    def _reduce_scatter_chunked(
+        self,
+        grads: list[RankRows],
+        columns: int,
+        per_chunk: int,
+        dtype: torch.dtype,
+        stamp: Stamp | None,
+        divide_by: int | None,
+    ) -> Pending[torch.Tensor]:
+        world_size, device = self.world_size, grads[0].flat.device
+        full_frame = frame_bytes(per_chunk * dtype.itemsize, stamp)
+        result = torch.empty(columns, dtype=dtype, device=device)
+
+        def launch(start: int, stop: int) -> tuple[Any, ...]:
+            data_bytes = (stop - start) * dtype.itemsize
+            frame = frame_bytes(data_bytes, stamp)
+            send = self.pool.take(world_size * full_frame, torch.uint8, device)
+            received = self.pool.take(world_size * full_frame, torch.uint8, device)
+            frames = send[: world_size * frame].view(world_size, frame)
+            data = frames[:, :data_bytes].view(dtype)
+            collectives.pack_rows(grads, data, start)
+            if divide_by is not None:
+                data.div_(divide_by)
+            if stamp is not None:
+                frames[:, data_bytes:].copy_(stamp.as_bytes().expand(world_size, -1))
+            work = dist.all_to_all_single(
+                received[: world_size * frame], send[: world_size * frame], group=self.group, async_op=True
+            )
+            return work, send, received, start, stop, data_bytes, frame
+
+        def land(chunk: tuple[Any, ...]) -> None:
+            work, send, received, start, stop, data_bytes, frame = chunk
+            work.wait()
+            frames = received[: world_size * frame].view(world_size, frame)
+            if stamp is not None:
+                stamp.verify_bytes(frames[:, data_bytes:], self.group)
+            collectives.sum_rows(list(frames[:, :data_bytes].view(dtype).unbind(0)), result[start:stop])
+            self.pool.give(send)
+            self.pool.give(received)
+
+        rest = _pipelined(columns, per_chunk, launch, land)  # every chunk is packed now: ``grads`` can go
+
+        def finish() -> torch.Tensor:
+            rest()
             return result
 
         return Pending(finish)
@@ -109,3 +216,26 @@ class GlooTransport(Transport):
             return flat[:numel]
 
         return Pending(finish)
+
+
+def _per_chunk(world_size: int, dtype: torch.dtype, stamp: Stamp | None) -> int:
+    """Elements (a gather) or columns (a reduce-scatter) per chunk: world_size frames within ``chunk_limit()``."""
+    return max(chunk_limit() // world_size - frame_bytes(0, stamp), 0) // dtype.itemsize
+
+
+def _pipelined(
+    total: int, per_chunk: int, launch: Callable[[int, int], Any], land: Callable[[Any], None]
+) -> Callable[[], None]:
+    """``launch(start, stop)`` the chunks of ``total`` units, at most ``PIPELINE`` in flight (the oldest landed
+    before the next is launched); returns what lands those still in flight."""
+    in_flight: deque[Any] = deque()
+    for start in range(0, total, per_chunk):
+        if len(in_flight) == PIPELINE:
+            land(in_flight.popleft())
+        in_flight.append(launch(start, min(start + per_chunk, total)))
+
+    def rest() -> None:
+        while in_flight:
+            land(in_flight.popleft())
+
+    return rest

@@ -27,7 +27,7 @@ it, ~10 ms a step of the benchmark model. A collective larger than a slot stream
 slots, so all of them do): a training step keeps at most two gathers and two reductions in flight, and
 ``summon_full_params`` more.
 
-[Note: chunks] A slot holds at most ``LIGHTNING_FSDP_SHM_SLOT_MIB`` MiB (``DEFAULT_SLOT_MIB``; less where no unit
+[Note: chunks] A slot holds at most ``LIGHTNING_FSDP_CHUNK_MIB`` MiB (``DEFAULT_CHUNK_MIB``; less where no unit
 sends as much), so the segment's size is fixed whatever the model: a language model's root (its embedding and head,
 the largest tensors of the model) no longer sizes it, nor leaves shared memory for gloo. A larger collective is cut
 into chunks of a slot each (all-gather and all-reduce: elements of the packed buffer; reduce-scatter: columns of the
@@ -51,7 +51,7 @@ other ranks open it through ``/proc/<pid>/fd/<fd>`` of its creator, and the crea
 as every rank has mapped it. The memory then lives exactly as long as the processes that map it, and a rank killed
 at any moment -- before the others mapped its segment included -- leaves nothing behind for anyone to clean up. It
 is allocated in full when it is created (``SLOTS``: three gather slots and two reduction slots, each of at most
-``LIGHTNING_FSDP_SHM_SLOT_MIB``, see [Note: chunks]), so running out of memory is a refusal at creation (every rank
+``LIGHTNING_FSDP_CHUNK_MIB``, see [Note: chunks]), so running out of memory is a refusal at creation (every rank
 falls back to gloo), not a SIGBUS mid-training.
 """
 
@@ -72,33 +72,18 @@ from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.gloo import GlooTransport
 from lightning_fsdp.engine.ledger import STAMP_NUMEL, CollectiveMismatchError, Stamp
 from lightning_fsdp.engine.peer_wait import ORDERED_STORES, int64_words, wait_until
-from lightning_fsdp.engine.transport import Pending, Transport, announce
+from lightning_fsdp.engine.transport import PIPELINE, Pending, Transport, announce, chunk_limit
 
 ENV_SWITCH = "LIGHTNING_FSDP_SHARED_MEMORY"
 SEGMENT_NAME = "lightning_fsdp"  # how the segments show in /proc/<pid>/maps: "/memfd:lightning_fsdp-<pid> (deleted)"
 SLOTS = {"all_gather": 3, "reduce": 2}  # slots per set: a gather in use, two prefetched; a reduction behind another
-SLOT_SWITCH = "LIGHTNING_FSDP_SHM_SLOT_MIB"
-DEFAULT_SLOT_MIB = 8.0  # a few MiB: chunks large enough that a chunk's bookkeeping costs nothing beside its copies
-PIPELINE = 2  # chunks of one collective published and not yet read by this rank (see [Note: chunks])
-
-
-def slot_limit() -> int:
-    """The most data one slot holds, in bytes (``LIGHTNING_FSDP_SHM_SLOT_MIB``; see [Note: chunks])."""
-    text = os.environ.get(SLOT_SWITCH, "")
-    try:
-        mib = float(text) if text else DEFAULT_SLOT_MIB
-    except ValueError:
-        mib = -1.0
-    if not mib > 0:
-        raise ValueError(f"{SLOT_SWITCH}={text!r} is not a positive number of MiB; set it to e.g. 8, or unset it.")
-    return int(mib * 2**20)
 
 
 def slot_bytes(send_bytes: dict[str, int], world_size: int) -> dict[str, int]:
-    """The data each set's slots hold: the largest send buffer of each collective kind, at most ``slot_limit()``
+    """The data each set's slots hold: the largest send buffer of each collective kind, at most ``chunk_limit()``
     (see [Note: chunks]), and at least one column of a reduce-scatter in the widest dtype."""
     reduce = max(send_bytes.get("reduce_scatter", 0), send_bytes.get("all_reduce", 0))
-    limit = max(slot_limit(), world_size * 8)
+    limit = max(chunk_limit(), world_size * 8)
     return {"all_gather": _aligned(min(send_bytes.get("all_gather", 0), limit)), "reduce": _aligned(min(reduce, limit))}
 
 

@@ -25,6 +25,7 @@ is how ``comm_stats.CollectiveCounter`` counts them: no call into the statistics
 from __future__ import annotations
 
 import logging
+import os
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
@@ -40,6 +41,26 @@ from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.ledger import Stamp
 
 log = logging.getLogger(__name__)
+
+CHUNK_SWITCH = "LIGHTNING_FSDP_CHUNK_MIB"
+DEFAULT_CHUNK_MIB = 8.0  # a few MiB: chunks large enough that a chunk's bookkeeping costs nothing beside its copies
+PIPELINE = 2  # chunks of one collective in flight at once: one packed while the peers read the one before
+
+
+def chunk_limit() -> int:
+    """The most bytes a collective moves in one piece, in bytes (``LIGHTNING_FSDP_CHUNK_MIB``): a shared-memory slot
+    (see [Note: chunks] in ``shm.py``), the largest buffer of a chunk over gloo (see [Note: chunks over gloo] in
+    ``gloo.py``). A larger collective streams through in chunks, so a transport's memory does not grow with the
+    largest unit."""
+    text = os.environ.get(CHUNK_SWITCH, "")
+    try:
+        mib = float(text) if text else DEFAULT_CHUNK_MIB
+    except ValueError:
+        mib = -1.0
+    if not mib > 0:
+        raise ValueError(f"{CHUNK_SWITCH}={text!r} is not a positive number of MiB; set it to e.g. 8, or unset it.")
+    return int(mib * 2**20)
+
 
 Result = TypeVar("Result")
 CollectiveHook = Callable[[str, str, torch.Tensor, int], None]  # (kind, op, payload, group size)

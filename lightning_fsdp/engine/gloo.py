@@ -111,8 +111,8 @@ class GlooTransport(Transport):
             for rank in range(world_size):
                 chunk_data = frames[rank, :data_bytes].view(dtype)
                 collectives.unpack_gathered_chunk(chunk_data, rank, start, shard_numels, rows)
-            self.pool.give(send)
-            self.pool.give(output)
+            self.pool.give(send, keep=True)
+            self.pool.give(output, keep=True)
 
         return Pending(_pipelined(numel, per_chunk, launch, land))
 
@@ -186,8 +186,8 @@ class GlooTransport(Transport):
             if stamp is not None:
                 stamp.verify_bytes(frames[:, data_bytes:], self.group)
             collectives.sum_rows(list(frames[:, :data_bytes].view(dtype).unbind(0)), result[start:stop])
-            self.pool.give(send)
-            self.pool.give(received)
+            self.pool.give(send, keep=True)
+            self.pool.give(received, keep=True)
 
         rest = _pipelined(columns, per_chunk, launch, land)  # every chunk is packed now: ``grads`` can go
 

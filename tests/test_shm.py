@@ -177,15 +177,16 @@ def _check_summon_more_units_than_slots(rank: int, world_size: int) -> None:
 
 
 def _check_a_large_root_streams_in_chunks(rank: int, world_size: int, stalled: bool, shared_memory: bool) -> None:
-    """A language model's root holds its embedding (here 30x a block) and chunks are bounded below a block's
-    reduction: every collective still goes through shared memory, the larger ones in chunks, the segment stays
-    five slots of the bound, and training equals the unsharded model's (see [Note: chunks] in ``shm.py``).
+    """A language model's root holds its embedding and untied head (4093 rows each: padded shards) and chunks are
+    bounded below a block's reduction: every collective still goes through shared memory, the larger ones in
+    chunks, the segment stays five slots of the bound, and training equals the unsharded model's (see [Note:
+    chunks] in ``shm.py``).
     ``stalled``: rank 1 is slow at every chunk it packs, so the others wait for its chunks and for its reads.
     Without ``shared_memory`` the same over gloo, whose large collectives go in chunks too (see [Note: chunks over
     gloo] in ``gloo.py``)."""
     os.environ[CHUNK_SWITCH] = "0.01"  # 10485 bytes: a block's gather fits, its reduction and the root's do not
     os.environ[shm.ENV_SWITCH] = "1" if shared_memory else "0"
-    config = GPTConfig(vocab_size=4093, block_size=8, n_layer=2, n_head=2, n_embd=16)  # 4093 rows: padded shards
+    config = GPTConfig(vocab_size=4093, block_size=8, n_layer=2, n_head=2, n_embd=16, tie_weights=False)
     torch.manual_seed(0)
     reference = GPT(config)
     torch.manual_seed(0)

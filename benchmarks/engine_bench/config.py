@@ -15,6 +15,8 @@ from . import __doc__ as OVERVIEW
 IMPLS = ("ours", "fsdp2", "ddp", "plain")  # plain: the module itself, no parallelism (world size 1 only)
 DEFAULT_IMPLS = ("ours", "fsdp2", "ddp")
 
+LLM_VOCAB = 8192  # the default vocabulary: real models' embedding and head are their largest tensors
+
 PRESETS: dict[str, dict[str, int]] = {
     # ~25M parameters: large enough that communication and optimizer state matter, small enough for a
     # 2-core machine (one fp32 step takes seconds with one thread per rank).
@@ -73,9 +75,11 @@ class BenchArgs:
     compiled_row: str | None = None
     # Ours' transport on one host: "shm" (shared memory, the default) or "gloo" (as between hosts).
     transport: str = "shm"
-    # The embedding's rows (and the tied head's). The corpus needs 256; GPT-2's 50257 makes them odd, so every
-    # rank's shard is padded: the case where a reduce-scatter used to copy the whole gradient first.
-    vocab_size: int = VOCAB_SIZE
+    # The embedding's rows and the head's. An LLM's proportions by default: the embedding and an untied head are
+    # the largest tensors, both in the root unit (8192 rows at width 512: 8.4M of the parameters). The corpus needs
+    # 256 (what the rest leave unused); GPT-2's 50257 makes them odd, so every rank's shard is padded.
+    vocab_size: int = LLM_VOCAB
+    tie_weights: bool = False
 
     def wrapped(self) -> set[type[nn.Module]]:
         return {Block} if self.wrap == "block" else {CausalSelfAttention, MLP}
@@ -87,6 +91,7 @@ class BenchArgs:
             n_layer=self.n_layer,
             n_head=self.n_head,
             n_embd=self.n_embd,
+            tie_weights=self.tie_weights,
         )
 
 
@@ -140,11 +145,14 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         help="ours' collectives on one host: shared memory (default) or gloo only, as between hosts",
     )
     parser.add_argument(
+        "--vocab",
         "--vocab-size",
+        dest="vocab_size",
         type=int,
-        default=VOCAB_SIZE,
-        help=f"embedding rows (at least the corpus' {VOCAB_SIZE}); 50257, GPT-2's, shards with padding",
+        default=LLM_VOCAB,
+        help=f"embedding and head rows (at least the corpus' {VOCAB_SIZE}); 50257, GPT-2's, shards with padding",
     )
+    parser.add_argument("--tied", action="store_true", help="tie the head to the embedding (GPT-2); default untied")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 disables it")
     parser.add_argument("--seed", type=int, default=0)
@@ -210,6 +218,7 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         from_json=tuple(ns.from_json),
         forward_prefetch=ns.forward_prefetch,
         vocab_size=ns.vocab_size,
+        tie_weights=ns.tied,
         wrap=ns.wrap,
         compile=ns.compile,
         transport=ns.transport,

@@ -80,7 +80,8 @@ def report(summaries: dict[str, dict[str, Any]], args: BenchArgs, rss_isolated: 
         any_summary = next(iter(ok.values()))
         lines.append(
             f"model: {any_summary['num_params'] / 1e6:.1f}M params, n_layer={args.n_layer} n_embd={args.n_embd} "
-            f"n_head={args.n_head} block={args.block_size} vocab={args.vocab_size} batch={args.batch_size}/rank; "
+            f"n_head={args.n_head} block={args.block_size} vocab={args.vocab_size} "
+            f"({'tied' if args.tie_weights else 'untied'} head) batch={args.batch_size}/rank; "
             f"W={args.world_size} "
             f"gloo ranks, {args.threads} thread(s) each, {args.precision}, ours over {args.transport}; "
             f"{args.rounds} rounds x "

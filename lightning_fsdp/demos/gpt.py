@@ -1,4 +1,4 @@
-"""A small GPT (pre-LN blocks, tied embedding and head), the model every example, test and benchmark uses.
+"""A small GPT (pre-LN blocks, head tied to the embedding unless asked otherwise): every example and test uses it.
 
 It is deliberately the shape that stresses a sharding engine: the token embedding is shared with the output
 head (a parameter used by two modules) and every block is a natural sharding unit. All initialisation lives in
@@ -26,6 +26,9 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True
+    # The head shares the embedding's weight (GPT-2). Untied, the root holds two vocabulary-sized tensors, as most
+    # LLMs do (Llama, Mistral): the benchmarks' default.
+    tie_weights: bool = True
 
 
 INIT_STD = 0.02
@@ -108,8 +111,11 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying: one parameter, two modules
+        if config.tie_weights:
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+            self.lm_head.weight = self.wte.weight  # weight tying: one parameter, two modules
+        else:
+            self.lm_head = GPTLinear(config.n_embd, config.vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of shape (batch, seq, vocab), or the mean cross-entropy loss when ``targets`` is given."""

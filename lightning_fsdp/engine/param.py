@@ -13,6 +13,13 @@ parameter stays the very object the module registered, and the unit gathers, cop
 and backward then run as the plain module does, gradients stay where autograd accumulated them, and the optimizer
 steps them in place; every API (state dicts, clipping, checkpoints) sees the same shapes and names as at any world
 size. ``devices=1`` is how users debug, so it must cost what the plain module costs.
+
+[Note: summoned parameters are the masters] ``summon_full_params`` shows each parameter as its full value gathered
+from the shards in their own dtype (fp32 masters under mixed precision), as a tensor of its own: never the forward's
+unsharded tensor, which holds ``param_dtype`` copies. Reading the model inside the block therefore sees exactly the
+values the optimizer steps and a full state dict saves, and writing back on exit copies those same values into the
+shards, so a read-only look changes no bit of any master weight; an edit sticks exactly as written. The forward's
+unsharded tensors are left alone (freed), so training afterwards gathers in ``param_dtype`` as before.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine.fingerprint import value_checksum
+
+# torch 2.13 renamed the flat all-gather; older releases only have the old name.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,7 @@ class FSDPParam:
         else:
             self._init_sharded(param, shard_device, param_dtype or param.dtype)
         self._initial_version = self.sharded._version
+        self.summoned: nn.Parameter | None = None  # the full master value inside summon_full_params
 
     def _init_whole(self, param: nn.Parameter) -> None:
         whole = param if param.is_contiguous() else nn.Parameter(param.detach().contiguous(), param.requires_grad)
@@ -200,13 +211,61 @@ class FSDPParam:
         else:
             self.sharded.grad.add_(grad.to(self.sharded.device))
 
-    def write_back_from_unsharded(self) -> None:
-        """Copy this rank's rows of the (possibly user-modified) full tensor back into the shard."""
-        if self.is_whole:  # they are one tensor
+    def register_summoned(self, full: torch.Tensor) -> None:
+        """Register ``full`` -- this parameter's full value in the masters' own dtype, gathered from the shards --
+        for ``summon_full_params``; see [Note: summoned parameters are the masters].
+
+        A parameter kept whole is its own full value already and stays registered as it is.
+        """
+        if self.is_whole:
             return
-        with torch.no_grad():
-            rows = self.layout.local_rows_of(self.unsharded.data)
-            self.sharded.data.reshape(-1).copy_(rows.reshape(-1).to(self.sharded.device))
+        if full.data_ptr() == self.sharded.data_ptr():  # the shard holds every row (NO_SHARD): a copy of its own
+            full = full.clone()
+        self.summoned = nn.Parameter(full, requires_grad=self.sharded.requires_grad)
+        for module, name in self.owners:
+            module._parameters[name] = self.summoned
+
+    def end_summon(self, writeback: bool) -> None:
+        """Register the shard again; with ``writeback``, copy this rank's rows of the summoned value into it first.
+
+        The summoned value is in the shard's own dtype, so writing back rows nobody changed leaves them bit for bit
+        as they were: only an edit changes the master weights.
+        """
+        if self.is_whole:
+            return
+        summoned, self.summoned = self.summoned, None
+        if writeback:
+            with torch.no_grad():
+                rows = self.layout.local_rows_of(summoned.detach())
+                self.sharded.data.reshape(-1).copy_(rows.reshape(-1).to(self.sharded.device))
+        self.register_sharded()
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, local_rows={self.layout.local_rows})"
+
+
+def gather_masters(params: list[FSDPParam]) -> list[tuple[FSDPParam, torch.Tensor]]:
+    """Every parameter's full tensor in its shards' own dtype: one all-gather of the unit's packed shards.
+
+    The shards are packed as the forward's all-gather packs them (padded, rank-major), so parameter ``i``'s rows
+    from rank ``r`` lie at row ``r`` of the output viewed as (world_size, packed numel). A parameter kept whole
+    (no shard group, or a group of one) is its shard.
+    """
+    whole = [(p, p.sharded.detach().view(p.shape)) for p in params if p.group is None or p.layout.world_size == 1]
+    by_dtype: dict[torch.dtype, list[FSDPParam]] = {}
+    for p in params:
+        if p.group is not None and p.layout.world_size > 1:
+            by_dtype.setdefault(p.sharded.dtype, []).append(p)
+    gathered = []
+    for sharded in by_dtype.values():
+        send = torch.cat([p.padded_shard.reshape(-1) for p in sharded])
+        world_size = sharded[0].layout.world_size
+        output = send.new_empty(world_size * send.numel())
+        _all_gather_flat(output, send, group=sharded[0].group)
+        by_rank = output.view(world_size, -1)
+        offset = 0
+        for p in sharded:
+            numel = p.layout.shard_numel
+            gathered.append((p, p.layout.unpad(by_rank[:, offset : offset + numel], p.shape)))
+            offset += numel
+    return whole + gathered

@@ -14,6 +14,15 @@ and backward then run as the plain module does, gradients stay where autograd ac
 steps them in place; every API (state dicts, clipping, checkpoints) sees the same shapes and names as at any world
 size. ``devices=1`` is how users debug, so it must cost what the plain module costs.
 
+[Note: memory formats are kept] A parameter whose rows (dim 0) are blocks of memory of their own -- any dense layout
+with dim 0 outermost, such as a ``channels_last`` convolution weight -- keeps its memory format in all three of
+its tensors: the shard, the unsharded tensor and the gathered master. Every flat buffer (the padded shard, the
+all-gather's output, the gradient packed for the reduce-scatter, the reduced rows) holds the elements in the
+parameter's memory order (``dim_order``), which row by row is the same split as the logical one, so nothing else
+changes: gathering is the same one copy, and ``laid_out`` views the flat buffer with the original strides. A
+gradient in another layout is packed in that order by a copy. A layout whose rows are not blocks of memory (a
+transposed weight, dim 0 innermost) is kept contiguous, as before.
+
 [Note: summoned parameters are the masters] ``summon_full_params`` shows each parameter as its full value gathered
 from the shards in their own dtype (fp32 masters under mixed precision), as a tensor of its own: never the forward's
 unsharded tensor, which holds ``param_dtype`` copies. Reading the model inside the block therefore sees exactly the
@@ -115,6 +124,7 @@ class FSDPParam:
         rank, world_size = (dist.get_rank(shard_group), shard_group.size()) if shard_group is not None else (0, 1)
         self.layout = ShardLayout.for_shape(param.shape, rank, world_size)
         self.compute_device = param.device
+        self.dim_order = dim_order(param)  # see [Note: memory formats are kept]
         shard_device = torch.device("cpu") if offload else param.device
         # See [Note: one rank keeps the parameter whole]; ``alone``: no other rank holds or reduces this parameter.
         self.is_whole = alone and param_dtype in (None, param.dtype) and shard_device == param.device
@@ -128,9 +138,10 @@ class FSDPParam:
         self.summoned: nn.Parameter | None = None  # the full master value inside summon_full_params
 
     def _init_whole(self, param: nn.Parameter) -> None:
-        whole = param if param.is_contiguous() else nn.Parameter(param.detach().contiguous(), param.requires_grad)
+        dense = param.permute(self.dim_order).is_contiguous()
+        whole = param if dense else nn.Parameter(param.detach().contiguous(), param.requires_grad)
         self.sharded = self.unsharded = whole
-        self._padded_shard = self._unsharded_data = whole.data.view(-1)
+        self._padded_shard = self._unsharded_data = self.flat(whole.data)
 
     def _init_sharded(self, param: nn.Parameter, shard_device: torch.device, dtype: torch.dtype) -> None:
         layout = self.layout
@@ -139,14 +150,29 @@ class FSDPParam:
         self._padded_shard = torch.zeros(layout.shard_numel, dtype=param.dtype, device=shard_device, pin_memory=pin)
         n_local = layout.local_rows * layout.row_numel
         with torch.no_grad():
-            self._padded_shard[:n_local].copy_(layout.local_rows_of(param.detach()).reshape(-1))
-        shard_shape = (layout.local_rows, *param.shape[1:]) if param.dim() > 0 else (layout.local_rows,)
-        self.sharded = nn.Parameter(self._padded_shard[:n_local].view(shard_shape), requires_grad=param.requires_grad)
+            start = layout.start * layout.row_numel
+            self._padded_shard[:n_local].copy_(self.flat(param.detach())[start : start + n_local])
+        shard_shape = torch.Size((layout.local_rows, *param.shape[1:]) if param.dim() > 0 else (layout.local_rows,))
+        self.sharded = nn.Parameter(self.laid_out(self._padded_shard[:n_local], shard_shape), param.requires_grad)
         # The full tensor lives in a padded buffer so the all-gather output copies into it in one fused op.
         padded_full = torch.empty(layout.padded_numel, dtype=dtype, device=self.compute_device)
-        self.unsharded = nn.Parameter(padded_full[: param.numel()].view(param.shape), requires_grad=param.requires_grad)
+        self.unsharded = nn.Parameter(self.laid_out(padded_full[: param.numel()], param.shape), param.requires_grad)
         self._unsharded_data = padded_full.data  # see [Note: storage freeing and tensor identity]
         self.free_unsharded()
+
+    def flat(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (this parameter's full shape or its shard's) as 1-D in the parameter's memory order: a view when
+        it is laid out as the parameter, a copy otherwise (a gradient autograd made contiguous, say)."""
+        if self.dim_order == sorted(self.dim_order):  # contiguous (and 0-dim parameters, whose shard is 1-D)
+            return tensor.reshape(-1)
+        return tensor.permute(self.dim_order).reshape(-1)
+
+    def laid_out(self, flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The 1-D ``flat`` (memory order) as a tensor of ``shape`` with the parameter's memory format (a view)."""
+        order = self.dim_order
+        if order == sorted(order):
+            return flat.view(shape)
+        return flat.view([shape[d] for d in order]).permute(sorted(range(len(order)), key=order.__getitem__))
 
     def checksum_if_unchanged(self) -> int | None:
         """The sharding-time checksum, or None once the shard was written since (a checkpoint loaded into it)."""
@@ -164,7 +190,7 @@ class FSDPParam:
         Re-synced first if the user replaced ``.data`` (the optimizer steps in place, so normally it is the same).
         """
         if self.sharded.data_ptr() != self._padded_shard.data_ptr() and self.sharded.numel() > 0:
-            self._padded_shard[: self.sharded.numel()].copy_(self.sharded.detach().reshape(-1))
+            self._padded_shard[: self.sharded.numel()].copy_(self.flat(self.sharded.detach()))
         return self._padded_shard.to(self.compute_device, non_blocking=True)
 
     @property
@@ -205,7 +231,7 @@ class FSDPParam:
         The reduced gradient comes in ``reduce_dtype`` on the compute device; ``.grad`` is kept in the shard's
         own dtype and device (fp32 master gradients, in CPU memory under offload).
         """
-        grad = reduced_shard[: self.sharded.numel()].view(self.sharded.shape)
+        grad = self.laid_out(reduced_shard[: self.sharded.numel()], self.sharded.shape)
         if self.sharded.grad is None:
             self.sharded.grad = grad.to(device=self.sharded.device, dtype=self.sharded.dtype)
         else:
@@ -236,12 +262,25 @@ class FSDPParam:
         summoned, self.summoned = self.summoned, None
         if writeback:
             with torch.no_grad():
-                rows = self.layout.local_rows_of(summoned.detach())
-                self.sharded.data.reshape(-1).copy_(rows.reshape(-1).to(self.sharded.device))
+                shard = self.sharded.data
+                shard.copy_(self.layout.local_rows_of(summoned.detach()).reshape(shard.shape))
         self.register_sharded()
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, local_rows={self.layout.local_rows})"
+
+
+def dim_order(param: torch.Tensor) -> list[int]:
+    """The parameter's dimensions from outermost to innermost in memory, when its rows (dim 0) are blocks of memory
+    of their own: any dense layout with dim 0 outermost (contiguous, ``channels_last``). Otherwise the contiguous
+    order, in which the engine then keeps it (see [Note: memory formats are kept])."""
+    contiguous = list(range(param.dim()))
+    if param.dim() <= 1 or param.is_contiguous():
+        return contiguous
+    order = sorted(contiguous, key=lambda d: (-param.stride(d), d))
+    if order[0] != 0 or not param.permute(order).is_contiguous():
+        return contiguous
+    return order
 
 
 def gather_masters(params: list[FSDPParam]) -> list[tuple[FSDPParam, torch.Tensor]]:
@@ -266,6 +305,7 @@ def gather_masters(params: list[FSDPParam]) -> list[tuple[FSDPParam, torch.Tenso
         offset = 0
         for p in sharded:
             numel = p.layout.shard_numel
-            gathered.append((p, p.layout.unpad(by_rank[:, offset : offset + numel], p.shape)))
+            flat = by_rank[:, offset : offset + numel].reshape(-1)[: p.layout.rows * p.layout.row_numel]
+            gathered.append((p, p.laid_out(flat, p.shape)))
             offset += numel
     return whole + gathered

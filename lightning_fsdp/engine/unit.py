@@ -405,7 +405,7 @@ class FSDPUnit:
         for fsdp_param in trainable:
             grad = fsdp_param.unsharded.grad
             had_grad.append(grad is not None)
-            flat = grad.reshape(-1) if grad is not None else fsdp_param.unsharded.new_empty(0)  # empty: zeros
+            flat = fsdp_param.flat(grad) if grad is not None else fsdp_param.unsharded.new_empty(0)  # empty: zeros
             rows.append(RankRows(flat, fsdp_param.layout.shard_numel))
         reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or rows[0].flat.dtype
         numel = self.world_size * sum(row.columns for row in rows)

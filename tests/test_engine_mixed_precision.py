@@ -114,3 +114,87 @@ def test_mixed_precision_parity_with_fp32_master_shards(dtype: torch.dtype) -> N
 
 def test_half_precision_halves_the_bytes_and_casts_buffers_and_inputs() -> None:
     run_distributed(_check_bytes_buffers_and_inputs, 2)
+
+
+class _TinyMixed(nn.Module):
+    """A root parameter and two units, one of them with rows that do not divide by the ranks (padded shards)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(8))
+        self.blocks = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x * self.scale).square().mean()
+
+
+SUMMON_CONFIGS = [
+    {"sharding_strategy": "FULL_SHARD"},
+    {"sharding_strategy": "FULL_SHARD", "cpu_offload": True},
+    {"sharding_strategy": "SHARD_GRAD_OP"},
+    {"sharding_strategy": "NO_SHARD"},
+    {"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 1)},
+]
+
+
+def _masters(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+def _assert_bitwise_equal(found: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    assert found.keys() == expected.keys()
+    for name, value in expected.items():
+        assert found[name].dtype == value.dtype and torch.equal(found[name], value), f"{what}: {name}"
+
+
+def _steps(pairs: list[tuple[nn.Module, torch.optim.Optimizer]], inputs: torch.Tensor) -> None:
+    for model, optimizer in pairs:
+        model(inputs).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _check_summon_shows_and_keeps_the_masters(rank: int, world_size: int) -> None:
+    from lightning_fsdp.engine.state_dict import full_state_dict
+
+    precision = MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=True)
+    inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    for config in SUMMON_CONFIGS:
+        torch.manual_seed(0)
+        reference = _TinyMixed()
+        model, twin = (
+            fully_shard(copy.deepcopy(reference), {nn.Linear}, mixed_precision=precision, **config) for _ in range(2)
+        )
+        seen: set[torch.dtype] = set()
+        model.blocks[2].register_forward_pre_hook(lambda m, _, seen=seen: seen.add(m.weight.dtype))
+        pairs = [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in (model, twin)]
+        _steps(pairs, inputs)
+        before = _masters(model)
+        full = full_state_dict(model, rank0_only=False)
+        with summon_full_params(model):  # a read-only look, with the default writeback
+            inside = {name: param.detach().cpu().clone() for name, param in model.named_parameters()}
+            assert all(p.dtype == torch.float32 and p.shape == full[n].shape for n, p in model.named_parameters())
+        _assert_bitwise_equal(inside, full, f"{config} inside summon equals the fp32 masters")
+        _assert_bitwise_equal(_masters(model), before, f"{config} a read-only summon rounds no master")
+        seen.clear()
+        _steps(pairs, inputs)  # training afterwards: bf16 gathers, the same steps as a model never summoned
+        assert seen == {torch.bfloat16}, f"{config}: the forward after summon computed with {seen}"
+        _assert_bitwise_equal(_masters(model), _masters(twin), f"{config} training after summon")
+
+        full = full_state_dict(model, rank0_only=False)
+        edit = torch.tensor(0.123456789)  # not a bf16 value
+        with summon_full_params(model), torch.no_grad():
+            model.blocks[2].weight[2, 5] = edit
+            model.scale.mul_(3.0)
+        with summon_full_params(model, writeback=False), torch.no_grad():
+            model.blocks[0].weight.zero_()  # discarded
+        after = full_state_dict(model, rank0_only=False)
+        assert after["blocks.2.weight"][2, 5] == edit, f"{config}: the edit sticks exactly"
+        assert torch.equal(after["scale"], full["scale"] * 3.0), config
+        assert torch.equal(after["blocks.0.weight"], full["blocks.0.weight"]), f"{config}: writeback=False"
+        untouched = {k: v for k, v in after.items() if k not in ("scale", "blocks.2.weight")}
+        _assert_bitwise_equal(untouched, {k: full[k] for k in untouched}, f"{config} edits change nothing else")
+
+
+def test_summon_full_params_shows_the_fp32_masters_and_never_rounds_them() -> None:
+    run_distributed(_check_summon_shows_and_keeps_the_masters, 2)

@@ -16,8 +16,12 @@ from lightning_fsdp.engine.unit import TrainingState
 def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[None]:
     """Gather every unit under ``module`` so its parameters are the full tensors inside the block.
 
-    With ``writeback`` the values are copied back into the shards on exit, so in-place edits (loading weights,
-    re-initialising a layer) stick. A collective: call it on every rank, outside forward and backward.
+    The full tensors are the master weights themselves, gathered in the shards' own dtype (fp32 under mixed
+    precision, never ``param_dtype``), on the compute device; see [Note: summoned parameters are the masters] in
+    ``param.py``. With ``writeback`` each rank copies its rows back into the shards on exit, so in-place edits
+    (loading weights, re-initialising a layer) stick exactly, and a read-only look changes no bit. Without it, edits
+    are discarded. A collective: call it on every rank, outside forward and backward, and do not nest it over the
+    same modules.
     """
     units = units_under(module)
     busy = [u for u in units if u.training_state is not TrainingState.IDLE]
@@ -26,20 +30,16 @@ def summon_full_params(module: nn.Module, writeback: bool = True) -> Iterator[No
             f"summon_full_params was called during forward or backward ({busy[0]!r} is "
             f"{busy[0].training_state.name}); call it between training steps."
         )
-    with torch.no_grad():
-        for unit in units:
-            unit.unshard()
-        for unit in units:
-            unit.wait_for_unshard()
+    entered = []
     try:
+        for unit in units:
+            unit.summon()
+            entered.append(unit)
         yield
     finally:
         with torch.no_grad():
-            for unit in units:
-                if writeback:
-                    for fsdp_param in unit.params:
-                        fsdp_param.write_back_from_unsharded()
-                unit.reshard()
+            for unit in entered:
+                unit.end_summon(writeback)
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:

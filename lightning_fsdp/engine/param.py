@@ -13,6 +13,22 @@ parameter stays the very object the module registered, and the unit gathers, cop
 and backward then run as the plain module does, gradients stay where autograd accumulated them, and the optimizer
 steps them in place; every API (state dicts, clipping, checkpoints) sees the same shapes and names as at any world
 size. ``devices=1`` is how users debug, so it must cost what the plain module costs.
+
+[Note: memory formats are kept] A parameter whose rows (dim 0) are blocks of memory of their own -- any dense layout
+with dim 0 outermost, such as a ``channels_last`` convolution weight -- keeps its memory format in all three of
+its tensors: the shard, the unsharded tensor and the gathered master. Every flat buffer (the padded shard, the
+all-gather's output, the gradient packed for the reduce-scatter, the reduced rows) holds the elements in the
+parameter's memory order (``dim_order``), which row by row is the same split as the logical one, so nothing else
+changes: gathering is the same one copy, and ``laid_out`` views the flat buffer with the original strides. A
+gradient in another layout is packed in that order by a copy. A layout whose rows are not blocks of memory (a
+transposed weight, dim 0 innermost) is kept contiguous, as before.
+
+[Note: summoned parameters are the masters] ``summon_full_params`` shows each parameter as its full value gathered
+from the shards in their own dtype (fp32 masters under mixed precision), as a tensor of its own: never the forward's
+unsharded tensor, which holds ``param_dtype`` copies. Reading the model inside the block therefore sees exactly the
+values the optimizer steps and a full state dict saves, and writing back on exit copies those same values into the
+shards, so a read-only look changes no bit of any master weight; an edit sticks exactly as written. The forward's
+unsharded tensors are left alone (freed), so training afterwards gathers in ``param_dtype`` as before.
 """
 
 from __future__ import annotations
@@ -26,6 +42,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine.fingerprint import value_checksum
+
+# torch 2.13 renamed the flat all-gather; older releases only have the old name.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -105,6 +124,7 @@ class FSDPParam:
         rank, world_size = (dist.get_rank(shard_group), shard_group.size()) if shard_group is not None else (0, 1)
         self.layout = ShardLayout.for_shape(param.shape, rank, world_size)
         self.compute_device = param.device
+        self.dim_order = dim_order(param)  # see [Note: memory formats are kept]
         shard_device = torch.device("cpu") if offload else param.device
         # See [Note: one rank keeps the parameter whole]; ``alone``: no other rank holds or reduces this parameter.
         self.is_whole = alone and param_dtype in (None, param.dtype) and shard_device == param.device
@@ -115,11 +135,13 @@ class FSDPParam:
         else:
             self._init_sharded(param, shard_device, param_dtype or param.dtype)
         self._initial_version = self.sharded._version
+        self.summoned: nn.Parameter | None = None  # the full master value inside summon_full_params
 
     def _init_whole(self, param: nn.Parameter) -> None:
-        whole = param if param.is_contiguous() else nn.Parameter(param.detach().contiguous(), param.requires_grad)
+        dense = param.permute(self.dim_order).is_contiguous()
+        whole = param if dense else nn.Parameter(param.detach().contiguous(), param.requires_grad)
         self.sharded = self.unsharded = whole
-        self._padded_shard = self._unsharded_data = whole.data.view(-1)
+        self._padded_shard = self._unsharded_data = self.flat(whole.data)
 
     def _init_sharded(self, param: nn.Parameter, shard_device: torch.device, dtype: torch.dtype) -> None:
         layout = self.layout
@@ -128,14 +150,29 @@ class FSDPParam:
         self._padded_shard = torch.zeros(layout.shard_numel, dtype=param.dtype, device=shard_device, pin_memory=pin)
         n_local = layout.local_rows * layout.row_numel
         with torch.no_grad():
-            self._padded_shard[:n_local].copy_(layout.local_rows_of(param.detach()).reshape(-1))
-        shard_shape = (layout.local_rows, *param.shape[1:]) if param.dim() > 0 else (layout.local_rows,)
-        self.sharded = nn.Parameter(self._padded_shard[:n_local].view(shard_shape), requires_grad=param.requires_grad)
+            start = layout.start * layout.row_numel
+            self._padded_shard[:n_local].copy_(self.flat(param.detach())[start : start + n_local])
+        shard_shape = torch.Size((layout.local_rows, *param.shape[1:]) if param.dim() > 0 else (layout.local_rows,))
+        self.sharded = nn.Parameter(self.laid_out(self._padded_shard[:n_local], shard_shape), param.requires_grad)
         # The full tensor lives in a padded buffer so the all-gather output copies into it in one fused op.
         padded_full = torch.empty(layout.padded_numel, dtype=dtype, device=self.compute_device)
-        self.unsharded = nn.Parameter(padded_full[: param.numel()].view(param.shape), requires_grad=param.requires_grad)
+        self.unsharded = nn.Parameter(self.laid_out(padded_full[: param.numel()], param.shape), param.requires_grad)
         self._unsharded_data = padded_full.data  # see [Note: storage freeing and tensor identity]
         self.free_unsharded()
+
+    def flat(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (this parameter's full shape or its shard's) as 1-D in the parameter's memory order: a view when
+        it is laid out as the parameter, a copy otherwise (a gradient autograd made contiguous, say)."""
+        if self.dim_order == sorted(self.dim_order):  # contiguous (and 0-dim parameters, whose shard is 1-D)
+            return tensor.reshape(-1)
+        return tensor.permute(self.dim_order).reshape(-1)
+
+    def laid_out(self, flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The 1-D ``flat`` (memory order) as a tensor of ``shape`` with the parameter's memory format (a view)."""
+        order = self.dim_order
+        if order == sorted(order):
+            return flat.view(shape)
+        return flat.view([shape[d] for d in order]).permute(sorted(range(len(order)), key=order.__getitem__))
 
     def checksum_if_unchanged(self) -> int | None:
         """The sharding-time checksum, or None once the shard was written since (a checkpoint loaded into it)."""
@@ -153,7 +190,7 @@ class FSDPParam:
         Re-synced first if the user replaced ``.data`` (the optimizer steps in place, so normally it is the same).
         """
         if self.sharded.data_ptr() != self._padded_shard.data_ptr() and self.sharded.numel() > 0:
-            self._padded_shard[: self.sharded.numel()].copy_(self.sharded.detach().reshape(-1))
+            self._padded_shard[: self.sharded.numel()].copy_(self.flat(self.sharded.detach()))
         return self._padded_shard.to(self.compute_device, non_blocking=True)
 
     @property
@@ -194,19 +231,81 @@ class FSDPParam:
         The reduced gradient comes in ``reduce_dtype`` on the compute device; ``.grad`` is kept in the shard's
         own dtype and device (fp32 master gradients, in CPU memory under offload).
         """
-        grad = reduced_shard[: self.sharded.numel()].view(self.sharded.shape)
+        grad = self.laid_out(reduced_shard[: self.sharded.numel()], self.sharded.shape)
         if self.sharded.grad is None:
             self.sharded.grad = grad.to(device=self.sharded.device, dtype=self.sharded.dtype)
         else:
             self.sharded.grad.add_(grad.to(self.sharded.device))
 
-    def write_back_from_unsharded(self) -> None:
-        """Copy this rank's rows of the (possibly user-modified) full tensor back into the shard."""
-        if self.is_whole:  # they are one tensor
+    def register_summoned(self, full: torch.Tensor) -> None:
+        """Register ``full`` -- this parameter's full value in the masters' own dtype, gathered from the shards --
+        for ``summon_full_params``; see [Note: summoned parameters are the masters].
+
+        A parameter kept whole is its own full value already and stays registered as it is.
+        """
+        if self.is_whole:
             return
-        with torch.no_grad():
-            rows = self.layout.local_rows_of(self.unsharded.data)
-            self.sharded.data.reshape(-1).copy_(rows.reshape(-1).to(self.sharded.device))
+        if full.data_ptr() == self.sharded.data_ptr():  # the shard holds every row (NO_SHARD): a copy of its own
+            full = full.clone()
+        self.summoned = nn.Parameter(full, requires_grad=self.sharded.requires_grad)
+        for module, name in self.owners:
+            module._parameters[name] = self.summoned
+
+    def end_summon(self, writeback: bool) -> None:
+        """Register the shard again; with ``writeback``, copy this rank's rows of the summoned value into it first.
+
+        The summoned value is in the shard's own dtype, so writing back rows nobody changed leaves them bit for bit
+        as they were: only an edit changes the master weights.
+        """
+        if self.is_whole:
+            return
+        summoned, self.summoned = self.summoned, None
+        if writeback:
+            with torch.no_grad():
+                shard = self.sharded.data
+                shard.copy_(self.layout.local_rows_of(summoned.detach()).reshape(shard.shape))
+        self.register_sharded()
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn}, shape={tuple(self.shape)}, local_rows={self.layout.local_rows})"
+
+
+def dim_order(param: torch.Tensor) -> list[int]:
+    """The parameter's dimensions from outermost to innermost in memory, when its rows (dim 0) are blocks of memory
+    of their own: any dense layout with dim 0 outermost (contiguous, ``channels_last``). Otherwise the contiguous
+    order, in which the engine then keeps it (see [Note: memory formats are kept])."""
+    contiguous = list(range(param.dim()))
+    if param.dim() <= 1 or param.is_contiguous():
+        return contiguous
+    order = sorted(contiguous, key=lambda d: (-param.stride(d), d))
+    if order[0] != 0 or not param.permute(order).is_contiguous():
+        return contiguous
+    return order
+
+
+def gather_masters(params: list[FSDPParam]) -> list[tuple[FSDPParam, torch.Tensor]]:
+    """Every parameter's full tensor in its shards' own dtype: one all-gather of the unit's packed shards.
+
+    The shards are packed as the forward's all-gather packs them (padded, rank-major), so parameter ``i``'s rows
+    from rank ``r`` lie at row ``r`` of the output viewed as (world_size, packed numel). A parameter kept whole
+    (no shard group, or a group of one) is its shard.
+    """
+    whole = [(p, p.sharded.detach().view(p.shape)) for p in params if p.group is None or p.layout.world_size == 1]
+    by_dtype: dict[torch.dtype, list[FSDPParam]] = {}
+    for p in params:
+        if p.group is not None and p.layout.world_size > 1:
+            by_dtype.setdefault(p.sharded.dtype, []).append(p)
+    gathered = []
+    for sharded in by_dtype.values():
+        send = torch.cat([p.padded_shard.reshape(-1) for p in sharded])
+        world_size = sharded[0].layout.world_size
+        output = send.new_empty(world_size * send.numel())
+        _all_gather_flat(output, send, group=sharded[0].group)
+        by_rank = output.view(world_size, -1)
+        offset = 0
+        for p in sharded:
+            numel = p.layout.shard_numel
+            flat = by_rank[:, offset : offset + numel].reshape(-1)[: p.layout.rows * p.layout.row_numel]
+            gathered.append((p, p.laid_out(flat, p.shape)))
+            offset += numel
+    return whole + gathered

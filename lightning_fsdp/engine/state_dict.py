@@ -24,12 +24,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_fsdp.engine.param import FSDPParam
+from lightning_fsdp.engine.param import FSDPParam, gather_masters
 from lightning_fsdp.engine.registry import fsdp_param_of, units_under
 from lightning_fsdp.engine.unit import TrainingState
-
-# torch 2.13 renamed the flat all-gather; older releases only have the old name.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, Tensor]:
@@ -44,7 +41,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, Ten
     gathered: dict[int, Tensor] = {}
     with torch.no_grad():
         for unit in units_under(module):
-            for fsdp_param, full in _gather_masters(unit.params):
+            for fsdp_param, full in gather_masters(unit.params):
                 if keep:
                     gathered[id(fsdp_param)] = full.to("cpu", copy=True)
     if not keep:
@@ -54,33 +51,6 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, Ten
         fsdp_param = fsdp_param_of(value)
         state[name] = gathered[id(fsdp_param)] if fsdp_param is not None else value.detach().to("cpu", copy=True)
     return state
-
-
-def _gather_masters(params: list[FSDPParam]) -> list[tuple[FSDPParam, Tensor]]:
-    """Every parameter's full tensor in its shards' own dtype: one all-gather of the unit's packed shards.
-
-    The shards are packed as the forward's all-gather packs them (padded, rank-major), so parameter ``i``'s rows
-    from rank ``r`` lie at row ``r`` of the output viewed as (world_size, packed numel). A parameter kept whole
-    (no shard group, or a group of one) is its shard.
-    """
-    whole = [(p, p.sharded.detach().view(p.shape)) for p in params if p.group is None or p.layout.world_size == 1]
-    by_dtype: dict[torch.dtype, list[FSDPParam]] = {}
-    for p in params:
-        if p.group is not None and p.layout.world_size > 1:
-            by_dtype.setdefault(p.sharded.dtype, []).append(p)
-    gathered = []
-    for sharded in by_dtype.values():
-        send = torch.cat([p.padded_shard.reshape(-1) for p in sharded])
-        world_size = sharded[0].layout.world_size
-        output = send.new_empty(world_size * send.numel())
-        _all_gather_flat(output, send, group=sharded[0].group)
-        by_rank = output.view(world_size, -1)
-        offset = 0
-        for p in sharded:
-            numel = p.layout.shard_numel
-            gathered.append((p, p.layout.unpad(by_rank[:, offset : offset + numel], p.shape)))
-            offset += numel
-    return whole + gathered
 
 
 def sharded_state_dict(module: nn.Module) -> dict[str, Tensor]:

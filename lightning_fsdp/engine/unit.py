@@ -7,9 +7,10 @@ while each parameter keeps its own name, shape and dim-0 shard (see ``param.py``
 [Note: profiler labels] Every transition that does work runs under a ``torch.profiler.record_function`` label, so a
 profile (and a CUDA trace) shows the engine's phases by name: ``lightning_fsdp.unshard`` (pack and issue the
 all-gather), ``lightning_fsdp.wait_unshard`` (wait, copy out, register the full parameters),
-``lightning_fsdp.reshard``, ``lightning_fsdp.reduce_grads`` (pack and issue the reduction) and
-``lightning_fsdp.wait_reduce`` (wait, accumulate into the sharded ``.grad``). Tools rely on these exact names. They
-are only reached from the runtime hooks, which torch.compile leaves out of its graphs (see [Note: hooks stay out of
+``lightning_fsdp.reshard``, ``lightning_fsdp.reduce_grads`` (pack and issue the reduction),
+``lightning_fsdp.wait_reduce`` (wait, accumulate into the sharded ``.grad``) and ``lightning_fsdp.summon`` (the
+master weights' gather of ``summon_full_params``, between steps). Tools rely on these exact names. The training
+ones are only reached from the runtime hooks, which torch.compile leaves out of its graphs (see [Note: hooks stay out of
 compiled graphs] in ``hooks.py``).
 """
 
@@ -29,7 +30,7 @@ from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, value_checksum
 from lightning_fsdp.engine.ledger import Stamp
 from lightning_fsdp.engine.options import ShardingOptions
-from lightning_fsdp.engine.param import FSDPParam
+from lightning_fsdp.engine.param import FSDPParam, gather_masters
 from lightning_fsdp.engine.transport import Pending, Transport, standalone_transport
 
 
@@ -111,6 +112,7 @@ class FSDPUnit:
         self.requires_grad_sync = True
         self._pending_gather: Pending[None] | None = None
         self.prefetched = False  # unsharded ahead of use; cleared when the unit is used
+        self.summoned = False  # inside summon_full_params: its modules hold the full master values
         self.context: Any = None  # the RootContext of the root this unit runs under, set at the root's lazy init
         self.grads_expected = 0  # trainable parameters, counted at pre-forward
         self.grads_seen = 0  # gradients accumulated so far in this backward
@@ -348,6 +350,29 @@ class FSDPUnit:
         self.shard_state = ShardState.SHARDED
         self.prefetched = False
 
+    def summon(self) -> None:
+        """Register every parameter's full value in its masters' own dtype, for ``summon_full_params`` (a collective;
+        see [Note: summoned parameters are the masters] in ``param.py``). The forward's gathers are untouched."""
+        self._expect("show its full parameters", TrainingState.IDLE)
+        if self.summoned:
+            raise RuntimeError(
+                f"summon_full_params was entered again for unit '{self.name}' while it is already inside one; "
+                "nest no summon_full_params over the same modules (one block shows every parameter)."
+            )
+        if self.shard_state is not ShardState.SHARDED:
+            self.reshard()
+        with record_function("lightning_fsdp.summon"), torch.no_grad():
+            for fsdp_param, full in gather_masters(self.params):
+                fsdp_param.register_summoned(full)
+        self.summoned = True
+
+    def end_summon(self, writeback: bool) -> None:
+        """Leave ``summon_full_params``: copy this rank's rows back (``writeback``) and register the shards again."""
+        self.reshard()  # a forward run inside the block may have gathered the unit
+        for fsdp_param in self.params:
+            fsdp_param.end_summon(writeback)
+        self.summoned = False
+
     # ----- gradients -------------------------------------------------------------------------------------------
 
     def grad_params(self) -> list[nn.Parameter]:
@@ -381,7 +406,7 @@ class FSDPUnit:
         for fsdp_param in trainable:
             grad = fsdp_param.unsharded.grad
             had_grad.append(grad is not None)
-            flat = grad.reshape(-1) if grad is not None else fsdp_param.unsharded.new_empty(0)  # empty: zeros
+            flat = fsdp_param.flat(grad) if grad is not None else fsdp_param.unsharded.new_empty(0)  # empty: zeros
             rows.append(RankRows(flat, fsdp_param.layout.shard_numel))
         reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or rows[0].flat.dtype
         numel = self.world_size * sum(row.columns for row in rows)

@@ -24,8 +24,7 @@ and is written again only after every other rank's read counter says it has read
 slot rather than the lowest gives the slowest reader time: reusing the slot just released made every rank wait for
 it, ~10 ms a step of the benchmark model. A collective larger than a slot streams through the slots in chunks (see
 [Note: chunks]); only when every slot of its set is taken does it run over gloo instead (every rank sees the same busy
-slots, so all of them do): a training step keeps at most two gathers and two reductions in flight, and
-``summon_full_params`` more.
+slots, so all of them do): a training step keeps at most two gathers and two reductions in flight.
 
 [Note: chunks] A slot holds at most ``LIGHTNING_FSDP_CHUNK_MIB`` MiB (``DEFAULT_CHUNK_MIB``; less where no unit
 sends as much), so the segment's size is fixed whatever the model: a language model's root (its embedding and head,

@@ -1,7 +1,9 @@
-"""Ranks that disagree fail by name within seconds, on shared memory and over gloo alone; refusals change nothing."""
+"""Ranks that disagree fail by name within seconds, on shared memory and over gloo alone; refusals change nothing;
+ranks that built the same model with other values (unseeded) all take rank 0's, as DDP does."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -18,6 +20,7 @@ from lightning_fsdp.engine import shm
 from lightning_fsdp.engine.fingerprint import ModelMismatchError
 from lightning_fsdp.engine.ledger import CollectiveMismatchError
 from lightning_fsdp.engine.registry import unit_of
+from lightning_fsdp.engine.state_dict import full_state_dict
 from tests.engine_harness import TINY_GPT
 
 SECONDS = 10.0  # "at once": far below the process group's timeout
@@ -68,13 +71,6 @@ MISMATCHES: list[tuple[str, Callable[[int], None], type[Exception], str]] = [
         r"rank 0 has 4 sharding units but rank 1 has 5 \(the first unit only one of them has is 'blocks.3' \(Block\)\)",
     ),
     (
-        "seeds",
-        lambda rank: _gpt_step(rank, rank),
-        ModelMismatchError,
-        r"rank 1 built the model with other initial values than rank 0 \(first difference: parameter 'wte.weight' of "
-        r"unit '<root>'\).*seed every rank alike.*sync_module_states=True",
-    ),
-    (
         "unit on one rank",
         _branchy_step,
         CollectiveMismatchError,
@@ -106,6 +102,99 @@ def _check_mismatches_are_named(rank: int, world_size: int) -> None:
             for (_, param), (_, source) in zip(loaded.named_parameters(), model.named_parameters(), strict=True):
                 param.copy_(source)
         loaded(tokens[:, :-1], tokens[:, 1:]).backward()
+
+
+class WithBuffers(nn.Module):
+    """Parameters in two units, a BatchNorm's running stats, and a non-persistent buffer drawn at init."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.bn = nn.BatchNorm1d(16)
+        self.out = nn.Linear(16, 1)
+        self.register_buffer("scale", torch.rand(16), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.bn(self.block(self.inp(x)) * self.scale)).pow(2).mean()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    state = full_state_dict(model, rank0_only=False)
+    return {**state, "scale": model.scale.detach().clone()} if isinstance(model, WithBuffers) else state
+
+
+def _assert_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], label: str) -> None:
+    assert actual.keys() == expected.keys(), label
+    for name, value in expected.items():
+        assert torch.equal(actual[name].cpu(), value), f"[{label}] {name} is not rank 0's"
+
+
+def _check_other_seeds_take_rank0s_values(rank: int, world_size: int) -> None:
+    records = _Records()
+    logger = logging.getLogger("lightning_fsdp.engine.api")
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
+
+    torch.manual_seed(0)
+    reference = WithBuffers()
+    expected = {**reference.state_dict(), "scale": reference.scale.clone()}
+    torch.manual_seed(rank)  # rank 0 builds the reference's model, rank 1 another one
+    model = fully_shard(WithBuffers(), {nn.Sequential})
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    _assert_equal(_full_state(model), expected, "eager, after one forward")
+    assert len(records.messages) == (1 if rank == 0 else 0), records.messages
+    if rank == 0:
+        assert "other initial values" in records.messages[0] and "rank 0's parameters" in records.messages[0]
+
+    # Training then is that of rank 0's model alone (every rank sees the same batch: the mean gradient is its own).
+    model.train()
+    reference.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        model(x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference(x).backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    trained = _full_state(model)
+    for name, value in {**reference.state_dict(), "scale": reference.scale}.items():
+        torch.testing.assert_close(trained[name].cpu(), value, rtol=1e-5, atol=1e-6, msg=f"{name} after training")
+
+    # Ranks seeded alike: nothing broadcast, nothing logged.
+    records.messages.clear()
+    torch.manual_seed(0)
+    alike = fully_shard(WithBuffers(), {nn.Sequential})
+    with torch.no_grad():
+        alike(x)
+    assert records.messages == []
+
+    # Deferred init: each unit, as it materialises with each rank's own draws, takes rank 0's values.
+    torch.manual_seed(0)
+    expected = GPT(TINY_GPT).state_dict()
+    torch.manual_seed(rank)
+    with torch.device("meta"):
+        meta = GPT(TINY_GPT)
+    meta = fully_shard(meta, {Block})
+    tokens = torch.randint(0, 61, (2, TINY_GPT.block_size + 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        meta(tokens[:, :-1], tokens[:, 1:])
+    _assert_equal(_full_state(meta), expected, "deferred init")
+    logger.removeHandler(records)
 
 
 def _check_refusals_change_nothing(rank: int, world_size: int) -> None:
@@ -143,6 +232,12 @@ def test_ranks_that_disagree_fail_by_name_on_both_transports() -> None:
     from tests.distributed import run_distributed
 
     run_distributed(_check_mismatches_are_named, 2)
+
+
+def test_ranks_with_other_values_take_rank_0s_and_train_as_rank_0_alone() -> None:
+    from tests.distributed import run_distributed
+
+    run_distributed(_check_other_seeds_take_rank0s_values, 2)
 
 
 def test_a_refused_fully_shard_and_a_stale_optimizer_change_nothing() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable
 
@@ -13,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_fsdp.engine import hooks
 from lightning_fsdp.engine.deferred_init import ParamInitFn, check_initializable, has_meta_tensors, materialize
+from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, check_same_structure, values_differ
 from lightning_fsdp.engine.groups import Groups, resolve_groups
 from lightning_fsdp.engine.optimizer_guard import record_replaced
 from lightning_fsdp.engine.options import BackwardPrefetch, MixedPrecision, ShardingOptions, ShardingStrategy
@@ -21,6 +23,8 @@ from lightning_fsdp.engine.param import FSDPParam
 from lightning_fsdp.engine.policies import PolicyLike, as_wrap_policy, select_unit_modules
 from lightning_fsdp.engine.registry import fsdp_param_of, register_unit, unit_of, units_under
 from lightning_fsdp.engine.unit import FSDPUnit
+
+log = logging.getLogger(__name__)
 
 
 def fully_shard(
@@ -68,6 +72,9 @@ def fully_shard(
         device: where a meta-device model is materialised; the current CUDA device under NCCL, else the CPU.
         param_init_fn: initialises one materialised module's own tensors; ``reset_parameters()`` when None.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding, so every rank starts equal.
+            Without it they are compared first and broadcast only where some rank built other values (an unseeded
+            script), as DDP makes every rank start from rank 0's; other names, shapes, dtypes or units are refused
+            with ``ModelMismatchError`` (see [Note: different values are made rank 0's] in ``fingerprint.py``).
         ignored_modules, ignored_params: left whole, on every rank, and untouched by the engine (their gradients
             are not reduced either).
     """
@@ -103,6 +110,8 @@ def fully_shard(
     unit_modules = [m for m in (*children, module) if m is module or assignment.get(m)]
     for unit_module in unit_modules:  # every check before the first change: a refusal leaves the model as it was
         _check_uniform(unit_module, assignment.get(unit_module, []), devices=not deferred)
+    if groups.sync.size() > 1:  # before the first change, and before any per-unit collective
+        check_same_structure(*_structure_prints(module, unit_modules, assignment), groups.sync)
     builder = _UnitBuilder(assignment, groups, options, sync_module_states)
     for unit_module in unit_modules:
         builder.expect(unit_module)
@@ -110,8 +119,18 @@ def fully_shard(
         owners_of = {id(o.param): o.owners for owned in assignment.values() for o in owned}
         materialize(module, _materialize_device(device, groups), param_init_fn, owners_of, builder.param_ready)
     builder.build_remaining()
-    if sync_module_states:
-        _broadcast_buffers(module, groups.sync)
+    if groups.sync.size() > 1:
+        buffers = [b for b in module.buffers() if b.numel() > 0]
+        if buffers and (sync_module_states or values_differ(buffers, groups.sync)):
+            _broadcast_params(buffers, groups.sync)
+            builder.took_rank0.append("buffers")
+    if builder.took_rank0 and not sync_module_states and dist.get_rank(groups.sync) == 0:
+        log.info(
+            "lightning_fsdp: ranks built %s with other initial values (in: %s); every rank took rank 0's parameters "
+            "and buffers, as DDP does (seed every rank alike to skip the broadcast)",
+            type(module).__name__,
+            ", ".join(builder.took_rank0[:3]) + (", ..." if len(builder.took_rank0) > 3 else ""),
+        )
     if options.mixed_precision.buffer_dtype is not None:
         _cast_buffers(module, options.mixed_precision.buffer_dtype)
     for unit in existing_units:
@@ -148,6 +167,7 @@ class _UnitBuilder:
         self._pending: dict[int, int] = {}  # id(unit module) -> parameters still on the meta device
         self._unit_of_param: dict[int, nn.Module] = {}
         self._order: list[nn.Module] = []
+        self.took_rank0: list[str] = []  # units (and "buffers") broadcast from rank 0, for the one log line
 
     def expect(self, unit_module: nn.Module) -> None:
         owned = self.assignment.get(unit_module, [])
@@ -175,8 +195,11 @@ class _UnitBuilder:
     def _build(self, unit_module: nn.Module) -> None:
         owned = self.assignment.get(unit_module, [])
         _check_uniform(unit_module, owned)
-        if self.sync_module_states:
-            _broadcast_params([o.param for o in owned], self.groups.sync)
+        tensors = [o.param for o in owned]
+        if tensors and self.groups.sync.size() > 1:  # see [Note: different values are made rank 0's]
+            if self.sync_module_states or values_differ(tensors, self.groups.sync):
+                _broadcast_params(tensors, self.groups.sync)
+                self.took_rank0.append(f"unit {type(unit_module).__name__}")
         if self.options.keeps_replicas_in_place:
             unit = FSDPUnit(unit_module, [], [o.param for o in owned], self.groups.as_pair(), self.options)
         else:
@@ -222,10 +245,30 @@ def _broadcast_params(params: list[torch.Tensor], group: ProcessGroup) -> None:
                 offset += tensor.numel()
 
 
-def _broadcast_buffers(module: nn.Module, group: ProcessGroup) -> None:
-    buffers = [b for b in module.buffers() if b.numel() > 0]
-    if buffers:
-        _broadcast_params(buffers, group)
+def _structure_prints(
+    module: nn.Module, unit_modules: list[nn.Module], assignment: dict[nn.Module, list[OwnedParam]]
+) -> tuple[list[UnitPrint], UnitPrint]:
+    """What this call will shard, without values, in module order (as the root's lazy init lists units), and the
+    buffers (broadcast as one more collective): names, shapes, dtypes and ``requires_grad`` only."""
+    names = {id(m): name or "<root>" for name, m in module.named_modules()}
+    position = {id(m): i for i, m in enumerate(module.modules())}
+    prints = [
+        UnitPrint(
+            names[id(m)],
+            type(m).__name__,
+            tuple(
+                ParamPrint(o.fqn, tuple(o.param.shape), str(o.param.dtype), o.param.requires_grad, None)
+                for o in assignment.get(m, [])
+            ),
+        )
+        for m in sorted(unit_modules, key=lambda m: position[id(m)])
+    ]
+    buffers = tuple(
+        ParamPrint(name, tuple(b.shape), str(b.dtype), False, None)
+        for name, b in module.named_buffers()
+        if b.numel() > 0
+    )
+    return prints, UnitPrint("<buffers>", "buffers", buffers)
 
 
 def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:

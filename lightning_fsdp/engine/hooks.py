@@ -112,7 +112,11 @@ class RootContext:
             log.debug("lightning_fsdp: %s", self.describe())
 
     def _check_same_model(self, groups: list[ProcessGroup]) -> None:
-        """One small collective per group (see ``fingerprint.py``): every rank must have built the same model."""
+        """One small collective per group (see ``fingerprint.py``): every rank must have built the same model.
+
+        Values that differed were made rank 0's by ``fully_shard`` already (see [Note: different values are made
+        rank 0's]); what this finds is a structure that differs across calls, or values changed on some ranks since.
+        """
         param_names = {id(p): name for name, p in self.root.module.named_parameters()}
         prints = [unit.fingerprint(param_names) for unit in self.units]
         for group in groups:

@@ -128,7 +128,8 @@ class FSDPParam:
         shard_device = torch.device("cpu") if offload else param.device
         # See [Note: one rank keeps the parameter whole]; ``alone``: no other rank holds or reduces this parameter.
         self.is_whole = alone and param_dtype in (None, param.dtype) and shard_device == param.device
-        # The values every rank took its rows from, for the check that ranks built the same model (fingerprint.py).
+        # The values every rank took its rows from (rank 0's where ranks differed: see [Note: different values are
+        # made rank 0's] in fingerprint.py), for the check at the root's first forward.
         self.initial_checksum = None if alone else value_checksum(param)
         if self.is_whole:
             self._init_whole(param)

@@ -29,9 +29,9 @@ pytest side (``test_fsdp_strategy.py``) asserts per case. Mechanical changes aga
 - ``test_set_timeout`` mocked ``init_process_group``; here the default group's timeout is read after setup.
 - ``test_activation_checkpointing`` checked torch's ``checkpoint_wrapper`` kwargs with mocks; here the modules of the
   policy's classes are the checkpointed ones after setup (``is_checkpointed``), the others not.
-- Every case starts from ``torch.manual_seed(0)`` on every rank: the engine refuses, by name, ranks that built the
-  model with different initial values (Lightning's tests run each case in fresh processes and rely on torch's
-  default seed; here the cases share a pair of processes whose random streams drift apart).
+- No case is seeded where Lightning's is not: ranks that build the model with different initial values all take
+  rank 0's, as under DDP (the cases share a pair of processes whose random streams drift apart).
+  ``_train_batchnorm`` seeds (our item: it compares two runs with each other).
 Additions beyond Lightning's file (our items): ``sync_batchnorm_matches_ddp`` (a BatchNorm model under
 ``sync_batchnorm=True`` against ddp with the same CPU-capable sync plugin, and ddp without it as the control), and
 ``float_input_<precision>`` (a float-input model with LayerNorm and BatchNorm trains under bf16-mixed and 16-mixed).
@@ -754,7 +754,6 @@ def main() -> None:
     for name in names:
         tmp_path = OUT / "runs" / name
         tmp_path.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(0)
         try:
             extra = CASES[name](tmp_path) or {}
             record: dict[str, Any] = {"ok": True, **extra}

@@ -300,6 +300,33 @@ def _exit_quietly_before_the_first_gather(rank: int, world_size: int) -> None:
     raise RuntimeError("rank 0 saw its peer exit")  # the only way out that the test can tell from a hang
 
 
+def _exit_quietly_between_chunks(rank: int, world_size: int) -> None:
+    """A gather of 63 slots' worth: rank 1 leaves after packing its third chunk, rank 0 waits for the fourth."""
+    os.environ[CHUNK_SWITCH] = "0.00003"  # 31 bytes: 64-byte slots, 16 fp32 elements per chunk
+    transport = _create()
+    assert transport is not None and transport.slots["all_gather"].slot_bytes == 64
+    if rank == 1:
+        real_pack, packed = collectives.pack, []
+
+        def pack_then_exit(*args: object) -> None:
+            real_pack(*args)
+            packed.append(True)
+            if len(packed) == 3:
+                os._exit(0)
+
+        collectives.pack = pack_then_exit
+    start = time.monotonic()
+    with pytest.raises(PeerExitedError, match=r"rank 1 \(pid \d+\) exited while this rank waited for it"):
+        transport.all_gather([torch.arange(1000.0)], torch.float32, None).wait()
+    assert time.monotonic() - start < 10.0, "noticed within seconds, at the chunk it waited for"
+    raise RuntimeError("rank 0 saw its peer exit between chunks")
+
+
+def test_a_rank_that_exits_between_chunks_is_named_by_the_one_waiting_for_it() -> None:
+    with pytest.raises(RuntimeError, match="(?s)rank 0 of 2 raised.*rank 0 saw its peer exit between chunks"):
+        run_distributed(_exit_quietly_between_chunks, 2, timeout=60.0)
+
+
 def test_a_rank_that_exits_mid_collective_is_named_by_the_one_waiting_for_it() -> None:
     with pytest.raises(RuntimeError, match="(?s)rank 0 of 2 raised.*rank 0 saw its peer exit"):
         run_distributed(_exit_quietly_before_the_first_gather, 2, timeout=60.0)

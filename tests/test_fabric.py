@@ -6,7 +6,9 @@ One spawned run per world size carries every claim:
   ``fabric.no_backward_sync``, every step clipped with ``fabric.clip_gradients``) give ddp's losses, gradient norms
   and weights to ~1e-5 relative, for every sharding strategy and the registered names; on the tiny GPT (tied
   embedding) and on a float-input model with a buffer computed at init and a frozen first block;
-- checkpoints (2 ranks): ``fabric.save``/``fabric.load`` round trips in both forms resume exactly; a Trainer's
+- checkpoints (2 ranks): ``fabric.save``/``fabric.load`` round trips in both forms resume exactly; the full file has
+  Fabric's layout (``ckpt["model"]`` a plain state dict ``weights_only`` reads), the older layout still loads,
+  ``convert`` reads it; a Trainer's
   checkpoints load in Fabric and Fabric's in a Trainer; ``fabric.load_raw`` takes ddp's plain state dicts;
   ``filter=``; ``init_module(empty_init=True)``; precision plugins; refusals that leave model, optimizer and files
   as they were; and examples/fabric_loop.py's loop.
@@ -27,11 +29,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
+from safetensors.torch import load_file
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 import lightning_fsdp  # noqa: F401  (registers the strategy names)
 from lightning_fsdp import FabricFSDPPrecision, FabricFSDPStrategy, FSDPStrategy, ShardedGradScaler
+from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.checkpoint.full import full_optimizer_state
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
 from lightning_fsdp.engine.state_dict import full_state_dict
@@ -244,7 +248,67 @@ def check_round_trips(world_size: int, out: Path) -> dict[str, Tensor]:
             opt.step()
         _assert_weights(weights(other), weights(model), f"{form}: the step after loading")
     assert (out / "fabric-full").is_file() and (out / "fabric-sharded" / "meta.pt").is_file()
+    check_fabric_layout(world_size, out)
     return saved
+
+
+def check_fabric_layout(world_size: int, out: Path) -> None:
+    """The full file has Fabric's layout: the user's keys hold plain full state dicts (weights_only reads them, an
+    unsharded model and optimizer take them); a file of the older layout (the Trainer's keys) still loads."""
+    fabric = launch(FabricFSDPStrategy(state_dict_type="full"), world_size)
+    _, _, (model, optimizer) = train(fabric, TinyLit, gpt_batches(fabric.global_rank, steps=2))
+    fabric.save(out / "layout.ckpt", {"model": model, "optimizer": optimizer, "iter_num": 2})
+    expected_model, expected_optimizer = weights(model), optimizer_state(model, optimizer)
+    ckpt = torch.load(out / "layout.ckpt", weights_only=True)
+    assert set(ckpt) == {"model", "optimizer", "iter_num", "_lightning_fsdp"}, sorted(ckpt)
+    assert ckpt["iter_num"] == 2
+    _assert_weights(ckpt["model"], expected_model, "ckpt['model']")
+    unsharded = TinyLit()
+    unsharded.load_state_dict(ckpt["model"])  # strict: a plain state dict of the unsharded model
+    names = [name for group in expected_optimizer.get("param_groups", []) for name in group["param_names"]]
+    if fabric.global_rank == 0:  # keyed by name, as Lightning's Fabric FSDP writes it
+        assert [n for g in ckpt["optimizer"]["param_groups"] for n in g["params"]] == names
+        for index, state in expected_optimizer["state"].items():
+            for key, value in state.items():
+                torch.testing.assert_close(ckpt["optimizer"]["state"][names[index]][key], value, rtol=0, atol=0)
+        plain = adamw(unsharded)
+        plain.load_state_dict(ckpt["optimizer"])  # torch matches by position: the unsharded optimizer takes it
+        assert len(plain.state) == len(expected_optimizer["state"])
+
+    # The older layout: the Trainer's keys and our record under "lightning_fsdp".
+    old = {
+        "state_dict": ckpt["model"],
+        "optimizer_states": [expected_optimizer],
+        "iter_num": 2,
+        "lightning_fsdp": {"fabric": {"module": "model", "optimizers": ["optimizer"]}},
+        "pytorch-lightning_version": L.__version__,
+    }
+    if fabric.global_rank == 0:
+        torch.save(old, out / "old-layout.ckpt")
+    fabric.barrier()
+    for name in ("layout.ckpt", "old-layout.ckpt"):
+        torch.manual_seed(11)
+        fresh = TinyLit()
+        fresh, fresh_optimizer = fabric.setup(fresh, adamw(fresh))
+        state = {"model": fresh, "optimizer": fresh_optimizer, "iter_num": 0}
+        assert fabric.load(out / name, state) == {}, name
+        assert state["iter_num"] == 2, name
+        _assert_weights(weights(fresh), expected_model, name)
+        assert_same_optimizer_state(optimizer_state(fresh, fresh_optimizer), expected_optimizer)
+
+    # lightning-fsdp convert reads the layout: into safetensors weights and into a sharded folder that resumes.
+    if fabric.global_rank == 0:
+        convert(out / "layout.ckpt", out / "layout.safetensors", to="safetensors", quiet=True)
+        convert(out / "layout.ckpt", out / "layout-sharded", to="sharded", quiet=True)
+        _assert_weights(load_file(out / "layout.safetensors"), expected_model, "convert --to safetensors")
+    fabric.barrier()
+    sharded = launch(FabricFSDPStrategy(state_dict_type="sharded"), world_size)
+    torch.manual_seed(12)
+    fresh = TinyLit()
+    fresh, fresh_optimizer = sharded.setup(fresh, adamw(fresh))
+    sharded.load(out / "layout-sharded", {"model": fresh, "optimizer": fresh_optimizer})
+    _assert_weights(weights(fresh), expected_model, "convert --to sharded")
+    assert_same_optimizer_state(optimizer_state(fresh, fresh_optimizer), expected_optimizer)
 
 
 def check_trainer_interop(world_size: int, out: Path, fabric_weights: dict[str, Tensor]) -> None:

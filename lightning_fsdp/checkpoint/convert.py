@@ -8,7 +8,7 @@ time where the output allows it (safetensors from either form: peak memory about
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from lightning_fsdp.checkpoint.atomic import atomic_directory, tensor_bytes, write_file_atomically
 from lightning_fsdp.checkpoint.callback_tensors import CALLBACKS, merge_callback_tensors
 from lightning_fsdp.checkpoint.destination import refusal_to_replace
-from lightning_fsdp.checkpoint.full import save_full_checkpoint
+from lightning_fsdp.checkpoint.full import as_trainer_layout, positional_optimizer_state, save_full_checkpoint
 from lightning_fsdp.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, lightning_prefix, write_hf_folder
 from lightning_fsdp.checkpoint.safe_load import dcp_load_planner, dcp_reader, load_torch_file
 from lightning_fsdp.checkpoint.safetensors_stream import write_safetensors
@@ -143,6 +143,7 @@ def model_tensors(src: Path, sharded: bool, trust: bool) -> tuple[dict[str, Tens
 
 
 def _state_dict_of(checkpoint: Any, src: Path) -> dict[str, torch.Tensor]:
+    as_trainer_layout(checkpoint)  # a fabric.save file: its module under the user's key
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ValueError(f"{src} is not a Lightning checkpoint: it has no 'state_dict'.")
     return checkpoint["state_dict"]
@@ -167,7 +168,7 @@ def _read_sharded(src: Path, trust: bool) -> dict[str, Any]:
     nested = _unflatten(flat, metadata.planner_data)
     checkpoint["state_dict"] = nested["model"]
     count = len([key for key in nested if key.startswith("optimizer_")])
-    checkpoint["optimizer_states"] = [_positional_optimizer_state(nested[f"optimizer_{i}"]) for i in range(count)]
+    checkpoint["optimizer_states"] = [positional_optimizer_state(nested[f"optimizer_{i}"]) for i in range(count)]
     merge_callback_tensors(checkpoint, nested.get(CALLBACKS, {}))  # full tensors, as a full save writes them
     return checkpoint
 
@@ -192,31 +193,6 @@ def _unflatten(flat: dict[str, Any], paths: dict[str, tuple]) -> dict[str, Any]:
                 node.append(None)
         node[path[-1]] = value
     return nested
-
-
-def _positional_optimizer_state(saved: dict[str, Any]) -> dict[str, Any]:
-    """Name-keyed optimizer state (sharded form) -> ``Optimizer.state_dict()``'s positional form."""
-    groups = saved["param_groups"]
-    index_of = {name: i for i, name in enumerate(n for group in groups for n in group["params"])}
-    state = {index_of[name]: values for name, values in saved.get("state", {}).items()}
-    offsets = _running_offsets(len(group["params"]) for group in groups)
-    positional_groups = [
-        {
-            **{k: v for k, v in group.items() if k != "params"},
-            "params": list(range(start, start + len(group["params"]))),
-            "param_names": list(group["params"]),
-        }
-        for group, start in zip(groups, offsets, strict=True)
-    ]
-    return {"state": state, "param_groups": positional_groups}
-
-
-def _running_offsets(sizes: Iterable[int]) -> list[int]:
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += size
-    return offsets
 
 
 def _full_to_sharded(checkpoint: dict[str, Any], src: Path, dst: Path) -> None:

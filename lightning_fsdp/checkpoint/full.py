@@ -40,6 +40,11 @@ from lightning_fsdp.engine.state_dict import (
 # The checkpoint entry that says it holds only the trainable parameters (an adapter, LoRA's A and B): loading it
 # leaves every other parameter as the model has it (the base weights), and refuses only names the model lacks.
 OWN_KEY = "lightning_fsdp"
+# A full file ``fabric.save`` writes keeps the user's keys (``{"model": ..., "optimizer": ..., "iter_num": ...}``), as
+# Lightning's Fabric does; what our loaders need beside them (which key is the module, which are the optimizers, the
+# Lightning version) lies under this one private key. See ``as_trainer_layout``.
+FABRIC_KEY = "_lightning_fsdp"
+VERSION_KEY = "pytorch-lightning_version"
 
 
 def mark_trainable_only(checkpoint: dict[str, Any]) -> None:
@@ -83,6 +88,63 @@ def load_full_checkpoint(
     return load_full_state(load_torch_file(path, trust, opt_in), path, module, optimizers, strict, callback_tensors)
 
 
+def as_trainer_layout(checkpoint: Any) -> list[str] | None:
+    """A full file ``fabric.save`` wrote, put into the Trainer's layout in place: the module's state under
+    ``state_dict``, the optimizers' (positional) under ``optimizer_states``, the Lightning version a Trainer needs.
+
+    Returns the optimizers' names in saved order; None (the checkpoint left as it is) for any other file.
+    """
+    record = checkpoint.get(FABRIC_KEY) if isinstance(checkpoint, dict) else None
+    if not isinstance(record, dict) or "state_dict" in checkpoint or record.get("module") not in checkpoint:
+        return None
+    names = [name for name in record.get("optimizers", []) if name in checkpoint]
+    checkpoint["state_dict"] = checkpoint.pop(record["module"])
+    checkpoint["optimizer_states"] = [positional_optimizer_state(checkpoint.pop(name)) for name in names]
+    del checkpoint[FABRIC_KEY]
+    if isinstance(record.get("lightning_version"), str):
+        checkpoint.setdefault(VERSION_KEY, record["lightning_version"])
+    return names
+
+
+def named_optimizer_state(positional: dict[str, Any]) -> dict[str, Any]:
+    """``full_optimizer_state``'s positional form keyed by parameter name instead, as Lightning's Fabric FSDP writes
+    a full optimizer state (``FSDP.optim_state_dict``): ``{"state": {name: ...}, "param_groups": [{..., "params":
+    [name, ...]}]}``. ``Optimizer.load_state_dict`` of the unsharded model takes it too (it matches by position)."""
+    if not positional:
+        return positional
+    groups = positional["param_groups"]
+    names = [name for group in groups for name in group["param_names"]]
+    return {
+        "state": {names[int(index)]: state for index, state in positional["state"].items()},
+        "param_groups": [
+            {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": list(g["param_names"])}
+            for g in groups
+        ],
+    }
+
+
+def positional_optimizer_state(saved: dict[str, Any]) -> dict[str, Any]:
+    """A name-keyed optimizer state (``named_optimizer_state``, the sharded form, Lightning's FSDP) in
+    ``Optimizer.state_dict()``'s positional form with each group's ``param_names``; a positional one as it is."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not groups or not all(isinstance(name, str) for group in groups for name in group["params"]):
+        return saved
+    index_of = {name: i for i, name in enumerate(n for group in groups for n in group["params"])}
+    state = {index_of[name]: values for name, values in saved.get("state", {}).items()}
+    positional_groups, start = [], 0
+    for group in groups:
+        count = len(group["params"])
+        positional_groups.append(
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": list(range(start, start + count)),
+                "param_names": list(group["params"]),
+            }
+        )
+        start += count
+    return {"state": state, "param_groups": positional_groups}
+
+
 def load_full_state(
     checkpoint: Any,
     path: str | os.PathLike,
@@ -91,7 +153,9 @@ def load_full_state(
     strict: bool = True,
     callback_tensors: Mapping[str, dict[str, Tensor]] | None = None,
 ) -> dict[str, Any]:
-    """``load_full_checkpoint`` of a checkpoint already read from ``path`` (which names it in messages)."""
+    """``load_full_checkpoint`` of a checkpoint already read from ``path`` (which names it in messages); a file in
+    ``fabric.save``'s layout is put into the Trainer's first (see ``as_trainer_layout``)."""
+    as_trainer_layout(checkpoint)
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
         raise ValueError(f"{path} is not a Lightning checkpoint: it has no 'state_dict'; pass a .ckpt a Trainer saved.")
     if is_trainable_only(checkpoint):

@@ -1,20 +1,23 @@
-"""``fabric.save`` / ``fabric.load`` in the Trainer strategy's own on-disk forms, so either side loads the other's.
+"""``fabric.save`` / ``fabric.load``: a full file in Lightning Fabric's own layout, a sharded folder in the Trainer's.
 
-Fabric hands a strategy a dictionary of named objects (``{"model": model, "optimizer": optimizer, "step": 3}``). It is
-written in exactly the layout :class:`~lightning_fsdp.FSDPStrategy` writes (see :mod:`lightning_fsdp.checkpoint`):
+Fabric hands a strategy a dictionary of named objects (``{"model": model, "optimizer": optimizer, "iter_num": 3}``).
 
-- full: one file with the module under ``state_dict``, the optimizers under ``optimizer_states`` (full shapes,
-  ``Optimizer.state_dict()``'s own format) and every other entry at the top level, as a Trainer checkpoint keeps its
-  loop state;
+- full: one file with the user's own keys, as Lightning's Fabric FSDP, ddp and a single device write it:
+  ``ckpt["model"]`` is the model's full state dict (plain tensors: ``torch.load(path, weights_only=True)`` reads it
+  and ``model.load_state_dict`` of the unsharded model takes it, LitGPT's ``ckpt.get("model", ckpt)`` too),
+  ``ckpt["optimizer"]`` the optimizer's full state keyed by parameter name as Lightning's Fabric FSDP writes it
+  (``Optimizer.load_state_dict`` of the unsharded model takes it as well), every other entry as given. What our
+  loaders need -- which key is the module, which are the optimizers, the Lightning version -- lies under one private
+  key, ``"_lightning_fsdp"``, so a Trainer's ``ckpt_path=`` and ``lightning-fsdp convert`` read the file too;
 - sharded: the DCP folder with ``model`` and ``optimizer_0``, ``optimizer_1``, ... and ``meta.pt`` holding every
-  other entry.
+  other entry, the Trainer strategy's layout (see :mod:`lightning_fsdp.checkpoint`).
 
-The names the user gave the module and the optimizers are recorded beside (``lightning_fsdp.fabric``), so a load
-puts each state back into the object of the same name; a Trainer checkpoint, which has no such record, gives its
-optimizers in order. A full file in Fabric's plain layout (``{"model": ..., "optimizer": ...}``, what
-``Fabric(strategy="ddp")`` saves) loads too. Every check -- keys, shapes, optimizers, the requested entries --
-comes before the first tensor changes, and the refusal and safety rules are the Trainer's: destinations checked
-before anything is written, atomic writes, nothing unpickled beyond plain data unless trusted.
+``fabric.load`` reads either, and the full files of the older layout (the Trainer's keys ``state_dict`` /
+``optimizer_states``, the names recorded under ``lightning_fsdp.fabric``), a Trainer's checkpoints, and a full file
+in Fabric's plain layout without our record (what ``Fabric(strategy="ddp")`` saves). Every check -- keys, shapes,
+optimizers, the requested entries -- comes before the first tensor changes, and the refusal and safety rules are the
+Trainer's: destinations checked before anything is written, atomic writes, nothing unpickled beyond plain data
+unless trusted.
 """
 
 from __future__ import annotations
@@ -30,11 +33,16 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.full import (
+    FABRIC_KEY,
     OWN_KEY,
+    VERSION_KEY,
+    as_trainer_layout,
     check_full_optimizer_state,
     full_optimizer_state,
     load_full_optimizer_state,
     load_full_state,
+    named_optimizer_state,
+    positional_optimizer_state,
     save_full_checkpoint,
 )
 from lightning_fsdp.checkpoint.optimizer_check import optimizers_restored_on_error
@@ -52,8 +60,8 @@ from lightning_fsdp.engine.state_dict import (
 Filter = Mapping[str, Callable[[str, Any], bool]]
 _RECORD = "fabric"  # under OWN_KEY: {"module": the module's name, "optimizers": the optimizers' names, in order}
 # Which Lightning wrote the checkpoint, as in a Trainer's: a Trainer refuses a checkpoint without it.
-_VERSION_KEY = "pytorch-lightning_version"
-_LAYOUT_KEYS = ("state_dict", "optimizer_states", OWN_KEY, _VERSION_KEY)
+_VERSION_KEY = VERSION_KEY
+_LAYOUT_KEYS = ("state_dict", "optimizer_states", OWN_KEY, _VERSION_KEY, FABRIC_KEY)
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,8 @@ def split_state(state: Mapping[str, Any]) -> FabricState:
 
 
 def save_full(path: Path, parts: FabricState, filter: Filter, rank0: bool) -> None:
-    """Gather the module and optimizers (a collective) and, on rank 0, write one file atomically.
+    """Gather the module and optimizers (a collective) and, on rank 0, write one file atomically, in Fabric's layout:
+    the user's keys hold the full state dicts, ``FABRIC_KEY`` the names our loaders need.
 
     The caller has checked the destination on rank 0 and shared the verdict, so no rank gathers for a refused save.
     """
@@ -97,9 +106,13 @@ def save_full(path: Path, parts: FabricState, filter: Filter, rank0: bool) -> No
     if rank0:
         checkpoint = {
             **_metadata(parts, filter),
-            "state_dict": model,
-            "optimizer_states": optimizer_states,
-            **_record(parts),
+            parts.module_key: model,
+            **{name: named_optimizer_state(s) for name, s in zip(parts.optimizers, optimizer_states, strict=True)},
+            FABRIC_KEY: {
+                "module": parts.module_key,
+                "optimizers": list(parts.optimizers),
+                "lightning_version": lightning.__version__,
+            },
         }
         save_full_checkpoint(path, checkpoint)
 
@@ -118,6 +131,7 @@ def load_into(path: Path, parts: FabricState, strict: bool, trust: bool, opt_in:
 
     The requested metadata entries are put into ``parts.others``' owner by the caller (see ``restore_metadata``).
     """
+    fabric_layout = False
     if path.is_dir():
         if not is_sharded_checkpoint(path):
             raise FileNotFoundError(f"{path} is a folder but not a sharded checkpoint (it has no .metadata file).")
@@ -131,13 +145,16 @@ def load_into(path: Path, parts: FabricState, strict: bool, trust: bool, opt_in:
         checkpoint = load_torch_file(path, trust, opt_in)
         if not isinstance(checkpoint, dict):
             raise ValueError(f"{path} is not a checkpoint: it holds a {type(checkpoint).__name__}, not a dict.")
-        names = _as_lightning_layout(checkpoint, parts, strict, path)
+        names = as_trainer_layout(checkpoint)  # a full file of fabric.save's layout
+        fabric_layout = names is not None
+        if not fabric_layout:
+            names = _as_lightning_layout(checkpoint, parts, strict, path)
         optimizers = _in_saved_order(parts, names, path)
         _check_requested(parts, checkpoint, strict, path)
         remainder = load_full_state(checkpoint, path, parts.module, optimizers, strict)
     else:
         raise FileNotFoundError(f"no checkpoint at {path}; pass the file or sharded folder fabric.save wrote.")
-    if _recorded_optimizers(remainder) is not None:  # written by fabric.save: its own entries are no user's
+    if fabric_layout or _recorded_optimizers(remainder) is not None:  # by fabric.save: its entries are no user's
         remainder.pop(_VERSION_KEY, None)
     remainder.pop(OWN_KEY, None)
     return remainder
@@ -183,7 +200,8 @@ def _raw_file(path: Path, trust: bool, opt_in: str) -> dict[str, Any]:
 
 
 def _as_lightning_layout(checkpoint: dict[str, Any], parts: FabricState, strict: bool, path: Path) -> list[str] | None:
-    """Put a Fabric-layout file (module and optimizers under the user's names) into the Trainer's layout, in place.
+    """Put a plain Fabric-layout file (module and optimizers under the user's names, no record of ours: a ddp or
+    Lightning FSDP run's) into the Trainer's layout, in place.
 
     Returns the names of the saved optimizers in order, or None for a Trainer checkpoint (optimizers by position).
     """
@@ -202,7 +220,8 @@ def _as_lightning_layout(checkpoint: dict[str, Any], parts: FabricState, strict:
         )
     checkpoint["state_dict"] = checkpoint.pop(parts.module_key)
     names = [key for key in parts.optimizers if key in checkpoint]
-    checkpoint["optimizer_states"] = [checkpoint.pop(key) for key in names]
+    # Lightning's Fabric FSDP keys optimizer state by parameter name, ddp and one device by position.
+    checkpoint["optimizer_states"] = [positional_optimizer_state(checkpoint.pop(key)) for key in names]
     return names
 
 

@@ -14,8 +14,9 @@ Fabric calls a strategy from the user's own loop; this one answers as follows.
   name (refused once it has state: that state belongs to the full tensors).
 - ``fabric.backward`` (the precision plugin's loss scaling), ``fabric.clip_gradients`` (the norm of the whole
   gradient, summed over the shards), ``fabric.no_backward_sync`` (the engine's ``no_sync``).
-- ``fabric.save`` / ``fabric.load`` / ``fabric.load_raw``: the Trainer strategy's two on-disk forms (see
-  ``fabric/checkpoint.py``), with its refusal and safety rules.
+- ``fabric.save`` / ``fabric.load`` / ``fabric.load_raw``: a full file in Lightning Fabric's layout (the user's keys
+  hold full state dicts) or the Trainer strategy's sharded folder (see ``fabric/checkpoint.py``), with the Trainer's
+  refusal and safety rules.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ neither 2 nor 4. One spawned run per world size carries every claim:
   model to ~1e-5;
 - a refusal changes nothing: torch's own error for missing and unexpected keys (after renaming), one sentence for a
   wrong full shape (a shard's shape included) and for ``assign=True``;
-- ``fabric.load_raw`` of such a file (strict and not) gives what ``Fabric(strategy="ddp")`` gives, and still refuses
-  to unpickle anything beyond plain data without the opt-in.
+- LitGPT's own LoRA GPT takes its base GPT's state dict as the unsharded one does (``strict=False``);
+- ``fabric.load_raw`` of such a file (strict and not) gives what ``Fabric(strategy="ddp")`` gives, weights and the
+  next forward's loss, and still refuses to unpickle anything beyond plain data without the opt-in.
 """
 
 from __future__ import annotations
@@ -231,7 +232,8 @@ def check_fabric_load_raw(rank: int, world_size: int, out: Path) -> None:
         torch.save({key: value for key, value in state.items() if "lora_" not in key}, files["base"])
         torch.save({**state, "note": Opaque()}, files["opaque"])
     dist.barrier()
-    loaded = {}
+    loaded, losses = {}, {}
+    batch = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(3)), torch.zeros(4, 5)
     for name in ("ddp", "myfsdp"):
         fabric = Fabric(accelerator="cpu", devices=world_size, strategy=name)
         fabric.launch()  # the ranks exist already: the test's process group
@@ -240,6 +242,8 @@ def check_fabric_load_raw(rank: int, world_size: int, out: Path) -> None:
             fabric.load_raw(files[file], model, strict=strict)
             plain = {key: value.detach().clone() for key, value in model.module.state_dict().items()}
             loaded[name, file] = full_state_dict(model.module, rank0_only=False) if name == "myfsdp" else plain
+            with torch.no_grad():  # the first forward (the root's lazy init and its checks) after the load
+                losses[name, file] = model(*batch).item()
         if name == "myfsdp":
             model = fabric.setup(fresh())
             before = full_state_dict(model.module, rank0_only=False)
@@ -249,6 +253,35 @@ def check_fabric_load_raw(rank: int, world_size: int, out: Path) -> None:
     assert_same(loaded["myfsdp", "full"], unsharded_load(state)[0].state_dict(), "load_raw strict")
     for file in ("full", "base"):
         assert_same(loaded["myfsdp", file], loaded["ddp", file], f"load_raw {file} against ddp")
+        assert abs(losses["myfsdp", file] - losses["ddp", file]) <= RTOL * abs(losses["ddp", file])
+
+
+def check_litgpt_lora(rank: int, world_size: int) -> None:
+    """LitGPT's own LoRA GPT takes its base GPT's state dict (``qkv``, ``proj``, ``fc``, ``lm_head`` renamed)."""
+    import litgpt
+    from litgpt.lora import GPT as LoRAGPT
+    from litgpt.lora import Block as LoRABlock
+    from litgpt.lora import Config as LoRAConfig
+
+    sizes = {"n_layer": 2, "n_head": 2, "n_embd": 18, "block_size": 16, "vocab_size": 61, "padded_vocab_size": 61}
+    lora = {"lora_r": 2, "lora_alpha": 4, **dict.fromkeys(("lora_query", "lora_value", "lora_projection"), True)}
+    torch.manual_seed(1)
+    base = litgpt.GPT(litgpt.Config(**sizes)).state_dict()
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return LoRAGPT(LoRAConfig(**sizes, **lora, lora_mlp=True, lora_head=True))
+
+    reference = build()
+    expected_keys = reference.load_state_dict(base, strict=False)
+    model = fully_shard(build(), {LoRABlock})
+    keys = model.load_state_dict(base, strict=False)
+    assert keys.missing_keys == expected_keys.missing_keys and all("lora_" in k for k in keys.missing_keys)
+    assert keys.unexpected_keys == expected_keys.unexpected_keys == []
+    assert_same(full_state_dict(model, rank0_only=False), reference.state_dict(), "LitGPT LoRA")
+    tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens), rtol=RTOL, atol=1e-6)
 
 
 def two_ranks(rank: int, world_size: int, out: str) -> None:
@@ -258,6 +291,7 @@ def two_ranks(rank: int, world_size: int, out: str) -> None:
     check_loads_like_unsharded(rank, world_size, "cpu_offload", cpu_offload=True)
     check_loads_like_unsharded(rank, world_size, "bf16", mixed_precision=BF16)
     check_partial_and_refused_loads(rank, world_size)
+    check_litgpt_lora(rank, world_size)
     check_fabric_load_raw(rank, world_size, Path(out))
 
 

@@ -12,7 +12,8 @@ neither 2 nor 4. One spawned run per world size carries every claim:
   wrong full shape (a shard's shape included) and for ``assign=True``;
 - LitGPT's own LoRA GPT takes its base GPT's state dict as the unsharded one does (``strict=False``);
 - ``fabric.load_raw`` of such a file (strict and not) gives what ``Fabric(strategy="ddp")`` gives, weights and the
-  next forward's loss, and still refuses to unpickle anything beyond plain data without the opt-in.
+  next forward's loss; so does ``model.load_state_dict`` of Lightning's ``lazy_load`` of it (LitGPT's route), and
+  ``load_raw`` still refuses to unpickle anything beyond plain data without the opt-in.
 """
 
 from __future__ import annotations
@@ -223,6 +224,7 @@ def check_partial_and_refused_loads(rank: int, world_size: int) -> None:
 
 def check_fabric_load_raw(rank: int, world_size: int, out: Path) -> None:
     from lightning.fabric import Fabric
+    from lightning.fabric.utilities.load import _lazy_load as lazy_load
 
     os.environ.update({"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world_size)})
     state = source_state()
@@ -245,6 +247,9 @@ def check_fabric_load_raw(rank: int, world_size: int, out: Path) -> None:
             with torch.no_grad():  # the first forward (the root's lazy init and its checks) after the load
                 losses[name, file] = model(*batch).item()
         if name == "myfsdp":
+            model = fabric.setup(fresh())
+            model.load_state_dict(lazy_load(files["full"]))  # LitGPT's load_checkpoint under other strategies
+            assert_same(full_state_dict(model.module, rank0_only=False), loaded["ddp", "full"], "lazy_load")
             model = fabric.setup(fresh())
             before = full_state_dict(model.module, rank0_only=False)
             with pytest.raises(pickle.UnpicklingError, match="weights_only=False"):

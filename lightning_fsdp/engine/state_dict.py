@@ -10,7 +10,9 @@
 
 Loading a full state dict: every rank copies its own rows out of it; read the file with ``torch.load(mmap=True)``
 and no rank materialises more than the one tensor it is slicing. Everything is keyed by the names
-``module.state_dict()`` uses; a checkpoint for another model is refused before anything is changed.
+``module.state_dict()`` uses; a checkpoint for another model is refused before anything is changed. The sharded
+module's own ``load_state_dict`` takes a full state dict the same way, through the modules' own loading code and
+hooks (see [Note: loading through the modules' own hooks] in ``load_hooks.py``).
 """
 
 from __future__ import annotations

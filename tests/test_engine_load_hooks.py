@@ -215,6 +215,15 @@ def check_partial_and_refused_loads(rank: int, world_size: int) -> None:
         else:
             assert "\n" not in str(raised.value)
         assert_same(full_state_dict(model, rank0_only=False), before, f"refused {message[:30]}")
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a module's own loading code failed")
+
+    model.blocks[1].attn._load_from_state_dict = broken  # raises after blocks.0 was reached: still nothing changes
+    with pytest.raises(RuntimeError, match="own loading code failed"):
+        model.load_state_dict(state)
+    del model.blocks[1].attn._load_from_state_dict
+    assert_same(full_state_dict(model, rank0_only=False), before, "a module's loading code raised")
     with pytest.raises(ValueError, match=r"assign=True\) would replace Net's sharded parameters"):
         model.load_state_dict(state, assign=True)
     assert_same(full_state_dict(model, rank0_only=False), before, "refused assign=True")

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_fsdp import fully_shard, summon_full_params

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import lightning as L
 import pytest
@@ -184,3 +185,32 @@ def test_a_param_init_fn_still_decides() -> None:
     check_initializable(model, ones)
     materialize(model, torch.device("cpu"), ones, _owners(model), lambda meta, real: None)
     assert all(bool((p == 1).all()) for p in model.parameters())
+
+
+def _init_halves(module: nn.Linear) -> None:
+    nn.init.constant_(module.weight, 0.5)
+    nn.init.zeros_(module.bias)
+
+
+def test_a_reset_parameters_set_after_the_build_is_what_initialises(caplog: pytest.LogCaptureFixture) -> None:
+    """LitGPT's pretrain script sets each module's reset_parameters after the meta build and leaves calling them to
+    FSDP's materialisation (its eager branch calls them itself): the recording cannot know them, so they run."""
+    with torch.device("meta"), track_meta_build():
+        model = LoRAStack()
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.reset_parameters = partial(_init_halves, module)  # bound to the module, as LitGPT does
+    with caplog.at_level(logging.WARNING, logger="lightning_fsdp.engine.deferred_init"):
+        check_initializable(model, None)
+        materialize(model, torch.device("cpu"), None, _owners(model), lambda meta, real: None)
+    assert "module 'layers.0.linear' had its reset_parameters replaced on the instance" in caplog.text
+    assert all(bool((layer.linear.weight == 0.5).all()) for layer in model.layers)
+
+
+def test_a_transformers_model_which_skips_its_init_on_meta_is_not_silently_given_module_defaults() -> None:
+    from tests.test_hf_models import FAMILIES
+
+    with torch.device("meta"), track_meta_build():
+        model = FAMILIES["llama"].build(seed=0)
+    with pytest.raises(ValueError, match=r"\(LlamaRMSNorm\) was built on the meta device but has no reset_parameters"):
+        check_initializable(model, None)

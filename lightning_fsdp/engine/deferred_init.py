@@ -272,6 +272,8 @@ def _replay_plan(root: nn.Module, param_init_fn: ParamInitFn | None) -> tuple[In
     programs: dict[int, InitProgram] = {}
     tensors: dict[int, tuple[str, torch.Tensor]] = {}  # id(tensor) -> (its name, it): a tied one once
     for path, module in root.named_modules():
+        if (reason := _initialised_outside_the_build(path or type(root).__name__, module)) is not None:
+            return None, reason
         params, buffers = _own_meta(module)
         if not params and not buffers:
             continue
@@ -302,6 +304,21 @@ def _replay_plan(root: nn.Module, param_init_fn: ParamInitFn | None) -> tuple[In
             return None, f"{name} is a view of a larger tensor"
         names_by_key[key] = name
     return program, None
+
+
+def _initialised_outside_the_build(name: str, module: nn.Module) -> str | None:
+    """Why ``module``'s initialisation is not in what its build ran, where a known convention says so."""
+    if "reset_parameters" in vars(module):
+        # LitGPT's pretrain initialize_weights sets each module's reset_parameters after the meta build, for the
+        # FSDP convention (materialising calls it) to run: the eager script calls them all after building.
+        return f"module '{name}' had its reset_parameters replaced on the instance: that is what initialises it"
+    if callable(getattr(type(module), "_init_weights", None)) and callable(getattr(type(module), "post_init", None)):
+        # transformers' PreTrainedModel.init_weights skips _init_weights when built under torch.device("meta").
+        return (
+            f"module '{name}' ({type(module).__name__}) is a transformers model, which skips _init_weights on the "
+            "meta device; pass param_init_fn=model._init_weights"
+        )
+    return None
 
 
 def _check_replay_writes_computed_buffers(root: nn.Module, program: InitProgram) -> None:

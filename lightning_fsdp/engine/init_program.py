@@ -174,13 +174,14 @@ class InitProgram:
             self.storages[key] = (tensor.untyped_storage().nbytes() // max(tensor.element_size(), 1), tensor.dtype)
             self._alive.append(tensor)
         elif self.storages[key][1] != tensor.dtype:
-            self._refuse(f"a meta tensor is viewed as {tensor.dtype} (it was created as {self.storages[key][1]})")
+            self.refuse(f"a meta tensor is viewed as {tensor.dtype} (it was created as {self.storages[key][1]})")
         return TensorRef(
             key, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype,
             covers_storage(tensor),
         )  # fmt: skip
 
-    def _refuse(self, reason: str) -> None:
+    def refuse(self, reason: str) -> None:
+        """Mark the program as not replayable (the first reason is the one reported) and stop recording."""
         if self.unsupported is None:
             self.unsupported = reason
 
@@ -195,19 +196,19 @@ class InitProgram:
         if name in _METADATA_ONLY:
             return
         if name in _REPOINTING:
-            return self._refuse(f"{func} changes a meta tensor's storage")
+            return self.refuse(f"{func} changes a meta tensor's storage")
         mutated = _mutated_arguments(func, args, kwargs)
         if any(not t.is_meta for t in mutated):
-            return self._refuse(f"{func} writes a real tensor from a meta one")
+            return self.refuse(f"{func} writes a real tensor from a meta one")
         input_keys = {storage_key(t) for t in inputs if t.is_meta}
         fresh = [t is not None and storage_key(t) not in input_keys for t in outputs]
         if mutated and any(fresh):
-            return self._refuse(f"{func} both writes a meta tensor and returns new ones")
+            return self.refuse(f"{func} both writes a meta tensor and returns new ones")
         if not mutated:
             if not any(fresh):
                 return  # a view: later ops name the storage it shares
             if any(t is not None and not new for t, new in zip(outputs, fresh, strict=True)):
-                return self._refuse(f"{func} returns both views and new tensors")
+                return self.refuse(f"{func} returns both views and new tensors")
             if name in _EMPTY_FACTORIES:
                 for t in outputs:
                     if t is not None:
@@ -362,7 +363,10 @@ class _AtenRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         with torch._C.DisableTorchFunction():  # our own look at the tensors is not the model's code
-            self.program.record_aten(func, args, kwargs, out)
+            try:
+                self.program.record_aten(func, args, kwargs, out)
+            except Exception as error:  # noqa: BLE001 - never break the user's build: replay just falls back
+                self.program.refuse(f"recording {func} failed ({type(error).__name__}: {error})")
         return out
 
 
@@ -378,7 +382,10 @@ class _SkippingInitRecorder(TorchFunctionMode):
         if out is True and getattr(func, "__self__", None) is _IS_META:
             caller = sys._getframe(1)
             if caller.f_code in _META_SKIPPING_INITS:
-                self.program.record_skipping_init(caller.f_code, caller.f_locals)
+                try:
+                    self.program.record_skipping_init(caller.f_code, caller.f_locals)
+                except Exception as error:  # noqa: BLE001 - as in _AtenRecorder
+                    self.program.refuse(f"recording {caller.f_code.co_name} failed ({error})")
         return out
 
 

@@ -84,7 +84,8 @@ def test_an_apply_style_model_gets_its_sweep_not_the_modules_defaults() -> None:
 class Assorted(nn.Module):
     """Writes the replay must follow: through ``.data``, into part of a tensor, an initialiser that skips meta
     tensors by hand (orthogonal_), a value computed from another meta tensor, a real tensor copied in, a buffer
-    derived from a parameter, and a tensor under the default dtype of the build."""
+    derived from a parameter, a tensor under the default dtype of the build, tensors made from Python data, and an
+    in-place op mixing two meta tensors."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -102,6 +103,10 @@ class Assorted(nn.Module):
         torch.set_default_dtype(torch.float64)  # as a precision plugin's init context does
         self.e = nn.Parameter(torch.rand(5))
         torch.set_default_dtype(build_dtype)
+        self.f = nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))  # Python data: no aten op shows its values
+        self.register_buffer("pairs", self.f.new_tensor([[0, 1], [1, 0]], dtype=torch.long))
+        with torch.no_grad():
+            self.f.mul_(self.c[:3])
 
 
 def test_writes_through_aliases_views_and_computed_values_are_replayed() -> None:

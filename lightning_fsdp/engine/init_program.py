@@ -6,9 +6,10 @@ embedding's ``inv_freq`` computed from ``torch.arange``) does nothing, so the va
 lost. While :func:`recording` is active, every op on meta tensors is recorded in global order (a
 ``TorchDispatchMode``: the aten ops ``normal_``, ``uniform_``, ``copy_``, ``arange``, ``pow``, ...), with its
 non-tensor arguments; a meta tensor is referred to by its storage and its geometry, so an op through ``.data``, a
-``nn.Parameter`` wrapping or a view lands on the tensor it changes. The few torch initialisers that skip meta
-tensors by hand (``trunc_normal_``, ``orthogonal_``, ``dirac_``, ``sparse_``) are recorded whole, when they ask
-``tensor.is_meta`` (a ``TorchFunctionMode``).
+``nn.Parameter`` wrapping or a view lands on the tensor it changes. What no aten op shows is seen one level up (a
+``TorchFunctionMode``): the few torch initialisers that skip meta tensors by hand (``trunc_normal_``,
+``orthogonal_``, ``dirac_``, ``sparse_``) are recorded whole when they ask ``tensor.is_meta``, and a tensor made
+from Python data (``torch.tensor([...])``, ``new_tensor``) is recorded with its data.
 
 Materialising replays the program on real tensors in two passes. The stream pass runs every random op in recorded
 order into scratch tensors of its geometry on the target device and keeps the generator's state before each, so
@@ -89,6 +90,8 @@ _META_SKIPPING_INITS = {
     init.sparse_.__code__: (init.sparse_, ("sparsity", "std", "generator"), True),
 }
 _IS_META = torch._C.TensorBase.__dict__["is_meta"]
+# Tensors built from Python data: their values never pass through an aten op the dispatch mode sees.
+_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor}
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -251,6 +254,15 @@ class InitProgram:
         op = _Op(run, (ref,), kwargs, [None], reads, frozenset({ref.key}), random, kwargs.get("generator"))
         self.ops.append(op)
 
+    def record_from_data(self, out: torch.Tensor, value: torch.Tensor) -> None:
+        """``out``, a meta tensor made from Python data, holds ``value`` (the same data on the CPU)."""
+        if self.unsupported is not None:
+            return
+        ref = self._ref(out)
+        kwargs = {"dtype": out.dtype, "device": torch.device("meta")}
+        to_copy = torch.ops.aten._to_copy.default
+        self.ops.append(_Op(to_copy, (value,), kwargs, [ref], frozenset(), frozenset({ref.key}), False, None))
+
     def finish(self) -> None:
         for index, op in enumerate(self.ops):
             for key in op.writes:
@@ -370,16 +382,26 @@ class _AtenRecorder(TorchDispatchMode):
         return out
 
 
-class _SkippingInitRecorder(TorchFunctionMode):
-    """Sees ``tensor.is_meta`` asked by the torch initialisers that return early on meta tensors."""
+class _PythonLevelRecorder(TorchFunctionMode):
+    """What the aten ops do not show: ``tensor.is_meta`` asked by the torch initialisers that return early on meta
+    tensors, and tensors made from Python data (``torch.tensor([...])``), which reach the meta device unseen."""
 
     def __init__(self, program: InitProgram) -> None:
         super().__init__()
         self.program = program
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if out is True and getattr(func, "__self__", None) is _IS_META:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _FROM_DATA and isinstance(out, torch.Tensor) and out.is_meta:
+            data = (args[1:] if func is torch.Tensor.new_tensor else args, kwargs)  # new_tensor's self is no data
+            if not any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves(data)):
+                try:
+                    value = func(*args, **{**kwargs, "device": "cpu"})  # the same data, where it has a value
+                    self.program.record_from_data(out, value)
+                except Exception as error:  # noqa: BLE001 - as in _AtenRecorder
+                    self.program.refuse(f"recording {func.__name__} failed ({error})")
+        elif out is True and getattr(func, "__self__", None) is _IS_META:
             caller = sys._getframe(1)
             if caller.f_code in _META_SKIPPING_INITS:
                 try:
@@ -393,7 +415,7 @@ class _SkippingInitRecorder(TorchFunctionMode):
 def recording(program: InitProgram) -> Generator[None, None, None]:
     """Record into ``program`` every op on meta tensors until the block ends."""
     try:
-        with _SkippingInitRecorder(program), _AtenRecorder(program):
+        with _PythonLevelRecorder(program), _AtenRecorder(program):
             yield
     finally:
         program.finish()

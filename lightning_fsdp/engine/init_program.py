@@ -29,6 +29,7 @@ tensors. Ops on meta tensors after the recording ended (an init applied after th
 from __future__ import annotations
 
 import sys
+from bisect import bisect_left
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -308,10 +309,10 @@ class InitProgram:
         while pending:
             key, before = pending.pop()
             writers = self._writers.get(key, [])
-            earlier = [i for i in writers if i < before]
-            if not earlier or earlier[-1] in chosen:
+            position = bisect_left(writers, before)  # writers are in op order
+            if position == 0 or writers[position - 1] in chosen:
                 continue
-            index = earlier[-1]
+            index = writers[position - 1]
             chosen.add(index)
             pending.extend((read, index) for read in self.ops[index].reads)
         return sorted(chosen)

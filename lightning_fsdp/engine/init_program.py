@@ -282,7 +282,12 @@ class InitProgram:
                 continue
             generator = op.generator if op.generator is not None else _default_generator(device)
             states.before[index] = generator.get_state()
-            op.call(partial(_view, {}, self.storages, device, torch.ones), device)
+            # Only what the op reads needs a value (a valid one: ones for a probability or a std); the rest is
+            # written, and how many numbers a draw takes does not depend on what the tensor held.
+            scratch = {
+                key: torch.ones(self.storages[key][0], dtype=self.storages[key][1], device=device) for key in op.reads
+            }
+            op.call(partial(_view, scratch, self.storages, device, torch.empty), device)
             states.final[id(generator)] = (generator, generator.get_state())
         return states
 

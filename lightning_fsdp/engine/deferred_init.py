@@ -237,7 +237,7 @@ def materialize(
     else:
         if reason is not None:
             log.log(
-                logging.INFO if reason.endswith(_NOT_RECORDED) else logging.WARNING,
+                logging.INFO if reason.endswith(_EXPECTED_FALLBACKS) else logging.WARNING,
                 "lightning_fsdp: the meta build's init cannot be replayed (%s); each module's reset_parameters() "
                 "initialises it instead, which gives the eager build's values only when every module initialises "
                 "its own tensors there, in the order module order visits them",
@@ -262,6 +262,9 @@ def materialize(
 
 
 _NOT_RECORDED = "was put on the meta device outside track_meta_build, so no init was recorded"
+_RESET_REPLACED = "had its reset_parameters replaced on the instance: that is what initialises it"
+# Fallbacks that are what the user set up (logged at INFO); any other is a build the replay could not express.
+_EXPECTED_FALLBACKS = (_NOT_RECORDED, _RESET_REPLACED)
 
 
 def _replay_plan(root: nn.Module, param_init_fn: ParamInitFn | None) -> tuple[InitProgram | None, str | None]:
@@ -311,7 +314,7 @@ def _initialised_outside_the_build(name: str, module: nn.Module) -> str | None:
     if "reset_parameters" in vars(module):
         # LitGPT's pretrain initialize_weights sets each module's reset_parameters after the meta build, for the
         # FSDP convention (materialising calls it) to run: the eager script calls them all after building.
-        return f"module '{name}' had its reset_parameters replaced on the instance: that is what initialises it"
+        return f"module '{name}' {_RESET_REPLACED}"
     if callable(getattr(type(module), "_init_weights", None)) and callable(getattr(type(module), "post_init", None)):
         # transformers' PreTrainedModel.init_weights skips _init_weights when built under torch.device("meta").
         return (

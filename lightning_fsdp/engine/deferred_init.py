@@ -375,6 +375,8 @@ def _materialize_by_replay(
         for meta, real in ready:
             on_param_ready(meta, real)
     states.restore_final()
+    for module in root.modules():  # the program (and the real values it holds) lives only while a part awaits it
+        _PROGRAM_OF.pop(module, None)
     return unset, lost
 
 

@@ -275,9 +275,10 @@ def _replay_plan(root: nn.Module, param_init_fn: ParamInitFn | None) -> tuple[In
     programs: dict[int, InitProgram] = {}
     tensors: dict[int, tuple[str, torch.Tensor]] = {}  # id(tensor) -> (its name, it): a tied one once
     for path, module in root.named_modules():
-        if (reason := _initialised_outside_the_build(path or type(root).__name__, module)) is not None:
-            return None, reason
         params, buffers = _own_meta(module)
+        reason = _initialised_outside_the_build(path or type(root).__name__, module, bool(params or buffers))
+        if reason is not None:
+            return None, reason
         if not params and not buffers:
             continue
         program = _PROGRAM_OF.get(module)
@@ -309,9 +310,9 @@ def _replay_plan(root: nn.Module, param_init_fn: ParamInitFn | None) -> tuple[In
     return program, None
 
 
-def _initialised_outside_the_build(name: str, module: nn.Module) -> str | None:
+def _initialised_outside_the_build(name: str, module: nn.Module, holds_meta: bool) -> str | None:
     """Why ``module``'s initialisation is not in what its build ran, where a known convention says so."""
-    if "reset_parameters" in vars(module):
+    if holds_meta and "reset_parameters" in vars(module):
         # LitGPT's pretrain initialize_weights sets each module's reset_parameters after the meta build, for the
         # FSDP convention (materialising calls it) to run: the eager script calls them all after building.
         return f"module '{name}' {_RESET_REPLACED}"

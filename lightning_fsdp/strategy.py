@@ -66,6 +66,7 @@ from lightning_fsdp.engine.registry import unit_of
 from lightning_fsdp.engine.state_dict import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict
 from lightning_fsdp.lightning_arguments import refuse_unknown_keywords
 from lightning_fsdp.precision import FSDPPrecision, as_fsdp_precision
+from lightning_fsdp.preemption import DeferredSignals
 from lightning_fsdp.registration import register_names
 from lightning_fsdp.sharding_setup import (
     Policy,
@@ -208,6 +209,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         self.sync_grads_each_micro_batch = flag("sync_grads_each_micro_batch", sync_grads_each_micro_batch)
         self.save_trainable_only = flag("save_trainable_only", save_trainable_only)
         self._atomic_io: tuple[CheckpointIO, CheckpointIO] | None = None  # (the plugin, it made atomic)
+        self._deferred_signals: DeferredSignals | None = None
 
     # ----- where and how many ---------------------------------------------------------------------------------------
 
@@ -358,6 +360,12 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             yield
 
     # ----- the steps ------------------------------------------------------------------------------------------------
+
+    @override
+    def on_train_start(self) -> None:
+        """Signals Lightning handles with collective work (SLURM's requeue save, SIGTERM's broadcast) wait for the
+        next batch end, where every rank acts on them together (see [Note: deferred signals] in ``preemption.py``)."""
+        self._deferred_signals = DeferredSignals.install(self._module().trainer)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -535,6 +543,8 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         its parameters are shards tied to the engine's buffers, and ``.cpu()`` would split them apart."""
         assert self.cluster_environment is not None
         assert self.accelerator is not None
+        if self._deferred_signals is not None:
+            self._deferred_signals.remove()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

@@ -100,8 +100,7 @@ class DeferredSignals(Callback):
             self._trainer.callbacks.remove(self)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        log.info("rank %d: signal %d received; acted on at the end of this training batch", self._rank(), signum)
-        self._received.add(signum)
+        self._received.add(signum)  # nothing else here: this runs in the middle of whatever the main thread does
 
     @override
     def on_train_batch_end(
@@ -117,6 +116,7 @@ class DeferredSignals(Callback):
     def _act(self, requeue: bool, terminated: list[int], stop_on_sigterm: bool) -> None:
         if requeue:
             assert self._requeue_signal is not None
+            log.info("requeue signal: every rank saves the HPC checkpoint after step %d", self._trainer.global_step)
             self._handlers[self._requeue_signal](self._requeue_signal, inspect.currentframe())
         if terminated and stop_on_sigterm:
             self._stop(terminated)

@@ -16,6 +16,8 @@ The Trainer calls a strategy in a fixed order; this one fills the steps in as fo
 - ``training_step`` and the other steps: always through Lightning's forward redirection (see ``_redirect``).
 - ``block_backward_sync``: gradient accumulation, reducing every micro-batch unless told otherwise.
 - Checkpoints: one full file from rank 0 or one sharded folder from every rank (``lightning_fsdp/checkpoint``).
+- ``on_train_start``: SLURM's requeue signal and SIGTERM are acted on at batch ends by every rank together
+  (``preemption.py``), not inside the step where they land.
 """
 
 from __future__ import annotations

@@ -112,6 +112,7 @@ def test_a_sigterm_to_one_rank_inside_a_step_ends_every_rank_within_seconds(tmp_
     assert "left with SIGTERMException(143)" in outputs[1], report
     assert ranks[0].returncode == 1, report
     assert "PeerTerminatedError: rank 1 received SIGTERM" in outputs[0], report
+    assert "every rank stopped after step 3" in outputs[0], report  # signalled in step 2, acted on a batch later
 
 
 @pytest.fixture(autouse=True)

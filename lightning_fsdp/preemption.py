@@ -76,8 +76,9 @@ class DeferredSignals(Callback):
 
     @classmethod
     def install(cls, trainer: pl.Trainer) -> DeferredSignals | None:
-        """Take over the handlers Lightning installed for this fit; None where signals cannot be handled (not the
-        main thread, as Lightning's own registration)."""
+        """Take over the handlers of the two signals for this fit: Lightning's, or for the requeue signal one set
+        before the Trainer's (which Lightning leaves in place). None where signals cannot be handled (not the main
+        thread, as in Lightning's own registration)."""
         if threading.current_thread() is not threading.main_thread():
             return None
         deferred = cls(trainer)
@@ -159,9 +160,9 @@ class DeferredSignals(Callback):
         if self._rank() in terminated:
             log.warning("rank %d: SIGTERM received; every rank stops after step %d", self._rank(), step)
             raise SIGTERMException(SIGTERM_EXIT_STATUS)
-        names = ", ".join(str(rank) for rank in terminated)
+        names = ("rank " if len(terminated) == 1 else "ranks ") + ", ".join(str(rank) for rank in terminated)
         raise PeerTerminatedError(
-            f"rank {names} received SIGTERM (a node being drained, or the job cancelled) and every rank stopped "
+            f"{names} received SIGTERM (a node being drained, or the job cancelled) and every rank stopped "
             f"after step {step}; resume from the last checkpoint."
         )
 

@@ -74,6 +74,10 @@ def _wait(ranks: list[subprocess.Popen]) -> tuple[list[str], list[float]]:
     return outputs, ended
 
 
+def _global_step(checkpoint: Path) -> int:
+    return torch.load(checkpoint, weights_only=True)["global_step"]
+
+
 def _close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], label: str) -> None:
     assert actual.keys() == expected.keys(), label
     for name, value in expected.items():
@@ -87,10 +91,13 @@ def test_a_requeue_signal_inside_a_step_saves_at_its_end_on_every_rank_and_resum
     outputs, _ = _wait(ranks)
     for rank, (process, output) in enumerate(zip(ranks, outputs, strict=True)):
         assert process.returncode == 0, f"rank {rank} exited with {process.returncode}:\n{output[-5000:]}"
-    # Two signalled runs, one requeue each, from rank 0 only, for the job the variables name.
-    assert (tmp_path / "scontrol.log").read_text().splitlines() == [f"requeue {JOB_ID}"] * 2
+    # One requeue per signalled step, from rank 0 only, for the job the variables name.
+    assert (tmp_path / "scontrol.log").read_text().splitlines() == [f"requeue {JOB_ID}"] * 4
     assert (tmp_path / "one_rank" / "hpc_ckpt_1.ckpt").is_file()
     assert (tmp_path / "both_ranks" / "hpc_ckpt_1.ckpt" / "meta.pt").is_file()  # sharded: a folder
+    # Ranks signalled in steps 1 and 4: each acted on by both ranks a batch later.
+    apart = sorted((tmp_path / "apart").glob("hpc_ckpt_*.ckpt"))
+    assert [_global_step(path) for path in apart] == [2, 5]
 
     straight = torch.load(tmp_path / "straight.pt", weights_only=True)
     for run in ("one_rank", "both_ranks"):

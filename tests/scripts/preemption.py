@@ -10,6 +10,7 @@ so the HPC checkpoint lands on the epoch's last batch (a plain DataLoader cannot
   a new Trainer in the same folder resumes from the HPC checkpoint on its own (Lightning's restore under SLURM);
   ``both_ranks``: rank 0 sends it before its forward and rank 1 after, sharded checkpoints, resumed with
   ``ckpt_path="hpc"``. Rank 0 writes OUT_DIR/<run>.pt: the final weights and the step the run started from.
+  ``apart``: rank 0 sends it in step 1, rank 1 in step 4: two HPC checkpoints (after steps 2 and 5), no resume.
 - ``sigterm``: rank 1 sends itself SIGTERM after its forward in step 2 (writing the time to OUT_DIR/signalled_at);
   the strategy's timeout is 600 s. Each rank prints how it ended and leaves with its exit status (143 for
   Lightning's ``SIGTERMException``, 1 for an error).
@@ -39,21 +40,21 @@ from lightning_fsdp.process_exit import exit_after_distributed_run
 
 STEPS_PER_EPOCH = 3
 STEPS = 6
-SIGNALLED_STEP = 2
 BATCH = 2
 
 
 class SignalledInsideStep(LitGPT):
-    """The tiny GPT that sends ``signum`` to its own process inside ``training_step`` of step 2, on the ranks of
-    ``when`` (rank -> ``"before"`` or ``"after"`` the forward)."""
+    """The tiny GPT that sends ``signum`` to its own process inside ``training_step``, on the ranks of ``when``:
+    rank -> (the step, ``"before"`` or ``"after"`` the forward)."""
 
-    def __init__(self, signum: int = signal.SIGUSR1, when: dict[int, str] | None = None) -> None:
+    def __init__(self, when: dict[int, tuple[int, str]], signum: int = signal.SIGUSR1) -> None:
         super().__init__()
         self.signum = signum
-        self.when = when or {}
+        self.when = when
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        moment = self.when.get(self.global_rank) if self.global_step == SIGNALLED_STEP - 1 else None
+        step, moment = self.when.get(self.global_rank, (0, ""))
+        moment = moment if self.global_step == step - 1 else ""
         if moment == "before":
             self._send()
         loss = super().training_step(batch, batch_idx)
@@ -98,10 +99,11 @@ def fit(
 
 def requeue() -> None:
     fit("straight", LitGPT)
-    fit("one_rank-signalled", lambda: SignalledInsideStep(when={1: "after"}))
+    fit("one_rank-signalled", lambda: SignalledInsideStep({1: (2, "after")}))
     fit("one_rank-resumed", LitGPT)
-    fit("both_ranks-signalled", lambda: SignalledInsideStep(when={0: "before", 1: "after"}), state_dict_type="sharded")
+    fit("both_ranks-signalled", lambda: SignalledInsideStep({0: (2, "before"), 1: (2, "after")}), "sharded")
     fit("both_ranks-resumed", LitGPT, state_dict_type="sharded", ckpt_path="hpc")
+    fit("apart-signalled", lambda: SignalledInsideStep({0: (1, "after"), 1: (4, "before")}))
 
 
 def sigterm() -> None:
@@ -110,7 +112,7 @@ def sigterm() -> None:
     trainer = make_trainer(
         strategy, max_steps=50, plugins=[SLURMEnvironment(auto_requeue=True)], default_root_dir=out_dir() / "term"
     )
-    model = SignalledInsideStep(signal.SIGTERM, when={1: "after"})
+    model = SignalledInsideStep({1: (2, "after")}, signal.SIGTERM)
     trainer.fit(model, token_loader(200, batch_size=BATCH))
 
 

@@ -111,15 +111,17 @@ def test_a_requeue_signal_inside_a_step_saves_at_its_end_on_every_rank_and_resum
 def test_a_sigterm_to_one_rank_inside_a_step_ends_every_rank_within_seconds(tmp_path: Path) -> None:
     ranks = _start_ranks(tmp_path, "sigterm")
     outputs, ended = _wait(ranks)
-    signalled_at = float((tmp_path / "signalled_at").read_text())
-    took = max(ended) - signalled_at
     report = f"rank 0:\n{outputs[0][-3000:]}\nrank 1:\n{outputs[1][-3000:]}"
+    assert (tmp_path / "signalled_at").is_file(), f"rank 1 never sent the signal:\n{report}"
+    took = max(ended) - float((tmp_path / "signalled_at").read_text())
     assert took < SIGTERM_BOUND_S, f"the ranks ended {took:.1f} s after the SIGTERM:\n{report}"
     assert ranks[1].returncode == 143, report  # Lightning's SIGTERMException, as a process ended by SIGTERM
     assert "left with SIGTERMException(143)" in outputs[1], report
     assert ranks[0].returncode == 1, report
     assert "PeerTerminatedError: rank 1 received SIGTERM" in outputs[0], report
     assert "every rank stopped after step 3" in outputs[0], report  # signalled in step 2, acted on a batch later
+    # Every rank stops at the same point, so a save in on_exception (a collective) is written.
+    assert _global_step(tmp_path / "term" / "on_exception.ckpt") == 3, report
 
 
 @pytest.fixture(autouse=True)

@@ -12,8 +12,8 @@ so the HPC checkpoint lands on the epoch's last batch (a plain DataLoader cannot
   ``ckpt_path="hpc"``. Rank 0 writes OUT_DIR/<run>.pt: the final weights and the step the run started from.
   ``apart``: rank 0 sends it in step 1, rank 1 in step 4: two HPC checkpoints (after steps 2 and 5), no resume.
 - ``sigterm``: rank 1 sends itself SIGTERM after its forward in step 2 (writing the time to OUT_DIR/signalled_at);
-  the strategy's timeout is 600 s. Each rank prints how it ended and leaves with its exit status (143 for
-  Lightning's ``SIGTERMException``, 1 for an error).
+  the strategy's timeout is 600 s, and ``OnExceptionCheckpoint`` saves when the ranks stop. Each rank prints how it
+  ended and leaves with its exit status (143 for Lightning's ``SIGTERMException``, 1 for an error).
 
 Usage: SLURM_PROCID=<r> ... python tests/scripts/preemption.py OUT_DIR requeue|sigterm
 """
@@ -31,6 +31,7 @@ from datetime import timedelta
 import lightning as L
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from strategy_common import LitGPT, make_trainer, out_dir, token_loader
 
 from lightning_fsdp import FSDPStrategy
@@ -110,7 +111,12 @@ def sigterm() -> None:
     L.seed_everything(0)
     strategy = FSDPStrategy(auto_wrap_policy={Block}, timeout=timedelta(seconds=600))
     trainer = make_trainer(
-        strategy, max_steps=50, plugins=[SLURMEnvironment(auto_requeue=True)], default_root_dir=out_dir() / "term"
+        strategy,
+        max_steps=50,
+        plugins=[SLURMEnvironment(auto_requeue=True)],
+        default_root_dir=out_dir() / "term",
+        callbacks=[OnExceptionCheckpoint(out_dir() / "term")],
+        enable_checkpointing=True,
     )
     model = SignalledInsideStep({1: (2, "after")}, signal.SIGTERM)
     trainer.fit(model, token_loader(200, batch_size=BATCH))

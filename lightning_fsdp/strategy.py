@@ -16,6 +16,8 @@ The Trainer calls a strategy in a fixed order; this one fills the steps in as fo
 - ``training_step`` and the other steps: always through Lightning's forward redirection (see ``_redirect``).
 - ``block_backward_sync``: gradient accumulation, reducing every micro-batch unless told otherwise.
 - Checkpoints: one full file from rank 0 or one sharded folder from every rank (``lightning_fsdp/checkpoint``).
+- ``on_train_start``: SLURM's requeue signal and SIGTERM are acted on at batch ends by every rank together
+  (``preemption.py``), not inside the step where they land.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from lightning_fsdp.engine.registry import unit_of
 from lightning_fsdp.engine.state_dict import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict
 from lightning_fsdp.lightning_arguments import refuse_unknown_keywords
 from lightning_fsdp.precision import FSDPPrecision, as_fsdp_precision
+from lightning_fsdp.preemption import DeferredSignals
 from lightning_fsdp.registration import register_names
 from lightning_fsdp.sharding_setup import (
     Policy,
@@ -209,6 +212,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         self.sync_grads_each_micro_batch = flag("sync_grads_each_micro_batch", sync_grads_each_micro_batch)
         self.save_trainable_only = flag("save_trainable_only", save_trainable_only)
         self._atomic_io: tuple[CheckpointIO, CheckpointIO] | None = None  # (the plugin, it made atomic)
+        self._deferred_signals: DeferredSignals | None = None
 
     # ----- where and how many ---------------------------------------------------------------------------------------
 
@@ -359,6 +363,12 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             yield
 
     # ----- the steps ------------------------------------------------------------------------------------------------
+
+    @override
+    def on_train_start(self) -> None:
+        """Signals Lightning handles with collective work (SLURM's requeue save, SIGTERM's broadcast) wait for the
+        next batch end, where every rank acts on them together (see [Note: deferred signals] in ``preemption.py``)."""
+        self._deferred_signals = DeferredSignals.install(self._module().trainer)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -536,6 +546,8 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         its parameters are shards tied to the engine's buffers, and ``.cpu()`` would split them apart."""
         assert self.cluster_environment is not None
         assert self.accelerator is not None
+        if self._deferred_signals is not None:
+            self._deferred_signals.remove()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

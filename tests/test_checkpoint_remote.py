@@ -22,15 +22,20 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import save as save_safetensors
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.checkpoint.convert import convert
+from lightning_fsdp.checkpoint.pretrained import load_pretrained
+from lightning_fsdp.demos.gpt import GPT
 from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.fabric import FabricFSDPStrategy
 from lightning_fsdp.launch import free_port
 from tests.distributed import run_distributed
 from tests.engine_harness import ATOL, RTOL
-from tests.scripts.strategy_common import LitGPT, token_loader
+from tests.scripts.strategy_common import TINY, LitGPT, token_loader
 
 s3fs = pytest.importorskip("s3fs", reason="the object-store tests need s3fs (the dev extra)")
 moto_server = pytest.importorskip("moto.server", reason="the object-store tests need moto[server] (the dev extra)")
@@ -156,8 +161,46 @@ def _trainer_cases(rank: int, world_size: int, endpoint: str, workdir: str) -> N
             trainer.save_checkpoint(f"s3://{BUCKET}/{target}")
         assert store.cat_file(f"{BUCKET}/{key}") == content, (form, target)
     assert sorted(store.find(f"{BUCKET}/user")) == [f"{BUCKET}/user/folder/readme.txt", f"{BUCKET}/user/notes.ckpt"]
+    # load_pretrained from the bucket (a folder URL): each rank fetches the byte ranges of its own rows.
+    if rank == 0:
+        store.pipe(
+            f"{BUCKET}/pretrained/model.safetensors", save_safetensors({k: v.clone() for k, v in reference.items()})
+        )
+    dist.barrier()
+    loaded = load_pretrained(trainer.lightning_module, f"s3://{BUCKET}/pretrained")
+    assert not loaded.missing and not loaded.unexpected, loaded
+    for name, value in full_state_dict(trainer.lightning_module).items():  # rank 0 holds them
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=0, msg=f"pretrained {name}")
+    _fabric_round_trips(world_size, endpoint, store)
     if rank == 0:
         torch.save(reference, Path(workdir, "reference.pt"))
+
+
+def _fabric_round_trips(world_size: int, endpoint: str, store: Any) -> None:
+    """``fabric.save`` to the bucket (the strategy's ``storage_options``), ``fabric.load`` into another model."""
+    for form in ("sharded", "full"):
+        strategy = FabricFSDPStrategy(state_dict_type=form, storage_options={"endpoint_url": endpoint})
+        fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+        fabric.launch()  # the ranks exist already (LOCAL_RANK is set)
+        saved_weights = None
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            model = GPT(TINY)
+            model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+            tokens = torch.randint(0, TINY.vocab_size, (2, TINY.block_size + 1), generator=torch.Generator())
+            fabric.backward(model(tokens[:, :-1], tokens[:, 1:]))
+            optimizer.step()
+            state = {"model": model, "optimizer": optimizer, "step": seed}
+            url = f"s3://{BUCKET}/fabric/{form}"
+            if seed == 0:
+                fabric.save(url, state)
+                saved_weights = full_state_dict(model)
+            else:
+                fabric.load(url, state)
+                assert state["step"] == 0
+                for name, value in full_state_dict(model).items():
+                    torch.testing.assert_close(value, saved_weights[name], rtol=0, atol=0, msg=f"fabric {form} {name}")
+        assert store.isfile(f"{BUCKET}/fabric/{form}" + ("/.metadata" if form == "sharded" else ""))
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@ needs, as any fsspec user's would), the test process through ``storage_options``
 
 from __future__ import annotations
 
+import io
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -29,6 +31,7 @@ from safetensors.torch import save as save_safetensors
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.checkpoint.pretrained import load_pretrained
+from lightning_fsdp.cli import main as cli_main
 from lightning_fsdp.demos.gpt import GPT
 from lightning_fsdp.engine.state_dict import full_state_dict
 from lightning_fsdp.fabric import FabricFSDPStrategy
@@ -214,7 +217,9 @@ def test_trainer_saves_resumes_rotates_and_refuses_in_a_bucket(trained: Path) ->
     assert (trained / "reference.pt").is_file()  # the ranks asserted everything; this says they got to the end
 
 
-def test_convert_reads_from_and_writes_to_a_bucket(trained: Path, s3_endpoint: str) -> None:
+def test_convert_reads_from_and_writes_to_a_bucket(
+    trained: Path, s3_endpoint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     options = {"endpoint_url": s3_endpoint}
     store = _store(s3_endpoint)
     reference = torch.load(trained / "reference.pt", weights_only=True)
@@ -228,6 +233,9 @@ def test_convert_reads_from_and_writes_to_a_bucket(trained: Path, s3_endpoint: s
         torch.testing.assert_close(weights[name], value, rtol=RTOL, atol=ATOL)
     convert(str(local), f"s3://{BUCKET}/converted/sharded", "sharded", quiet=True, storage_options=options)
     assert store.isfile(f"{BUCKET}/converted/sharded/.metadata")
+    cli_main(["convert", sharded_last, f"s3://{BUCKET}/cli/full.ckpt", "--storage-options", json.dumps(options)])
+    assert capsys.readouterr().out.strip() == f"wrote s3://{BUCKET}/cli/full.ckpt"
+    assert torch.load(io.BytesIO(store.cat_file(f"{BUCKET}/cli/full.ckpt")), weights_only=True)["global_step"] == STEPS
     with pytest.raises(FileExistsError, match="not a checkpoint"):
         convert(
             str(local), f"s3://{BUCKET}/user/notes.ckpt", "full", quiet=True, overwrite=True, storage_options=options

@@ -477,7 +477,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         first, on rank 0 and for every rank: a save replaces only a checkpoint of the same form and refuses anything
         else (a user's folder, a foreign file) before a byte is written. The full file goes through the
         ``checkpoint_io`` plugin made atomic (see ``checkpoint_io.py``; with ``AsyncCheckpointIO`` it appears when the
-        background write is complete).
+        background write is complete). ``filepath`` may be an fsspec URL (``s3://...``): see ``checkpoint/remote.py``.
         """
         if self.save_trainable_only:
             mark_trainable_only(checkpoint)
@@ -518,6 +518,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Delete our checkpoint at ``filepath`` (``ModelCheckpoint``'s rotation); at a URL, only our own objects."""
         if self.is_global_zero and is_remote(filepath):
             left = remove_remote(filepath, self.storage_options)
             if left is not None:
@@ -532,7 +533,8 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         A folder is a sharded checkpoint (any world size); a file is a full one -- ours, ddp's or a single
         device's. Everything is checked before anything is loaded, and nothing but plain data is unpickled unless
         the user trusts the file: ``trainer.fit(..., weights_only=False)`` or ``FSDPStrategy(trust_checkpoint=True)``
-        (an explicit ``weights_only=True`` wins over the latter).
+        (an explicit ``weights_only=True`` wins over the latter). At an fsspec URL, an object is a full checkpoint
+        and a prefix a sharded one.
         """
         module = self._module()
         optimizers = self.optimizers if module.trainer.state.fn == TrainerFn.FITTING else []

@@ -25,12 +25,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import save as save_safetensors
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.checkpoint.pretrained import load_pretrained
+from lightning_fsdp.checkpoint_io import AtomicCheckpointIO
 from lightning_fsdp.cli import main as cli_main
 from lightning_fsdp.demos.gpt import GPT
 from lightning_fsdp.engine.state_dict import full_state_dict
@@ -241,3 +243,26 @@ def test_convert_reads_from_and_writes_to_a_bucket(
             str(local), f"s3://{BUCKET}/user/notes.ckpt", "full", quiet=True, overwrite=True, storage_options=options
         )
     assert store.cat_file(f"{BUCKET}/user/notes.ckpt") == b"my notes"
+
+
+def test_removal_leaves_what_is_not_our_checkpoint(trained: Path, s3_endpoint: str) -> None:
+    """``ModelCheckpoint``'s rotation goes through ``remove_checkpoint``: our objects go, anything else stays."""
+    store = _store(s3_endpoint)
+    io_plugin = AtomicCheckpointIO(TorchCheckpointIO())
+    store.pipe(f"{BUCKET}/mixed/ckpt/meta.pt", b"ours by name")
+    store.pipe(f"{BUCKET}/mixed/ckpt/notes.txt", b"a user's")
+    ours = io.BytesIO()
+    torch.save({"state_dict": {}}, ours)
+    store.pipe(f"{BUCKET}/mixed/old.ckpt", ours.getvalue())
+    os.environ["AWS_ENDPOINT_URL"] = s3_endpoint  # the plugin takes no storage options: fsspec's configuration
+    try:
+        with pytest.warns(UserWarning, match=r"not removing .*not part of a sharded checkpoint \(notes.txt\)"):
+            io_plugin.remove_checkpoint(f"s3://{BUCKET}/mixed/ckpt")
+        with pytest.warns(UserWarning, match="not a checkpoint"):
+            io_plugin.remove_checkpoint(f"s3://{BUCKET}/user/notes.ckpt")
+        io_plugin.remove_checkpoint(f"s3://{BUCKET}/mixed/old.ckpt")
+    finally:
+        del os.environ["AWS_ENDPOINT_URL"]
+    assert sorted(store.find(f"{BUCKET}/mixed")) == [f"{BUCKET}/mixed/ckpt/meta.pt", f"{BUCKET}/mixed/ckpt/notes.txt"]
+    assert store.cat_file(f"{BUCKET}/user/notes.ckpt") == b"my notes"
+    assert not store.exists(f"{BUCKET}/mixed/old.ckpt")

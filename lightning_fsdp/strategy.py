@@ -505,9 +505,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
 
     def _storage_options(self, given: Any | None) -> dict[str, Any] | None:
         """The strategy's ``storage_options`` with those given to one call on top."""
-        if self.storage_options is None or given is None:
-            return given if given is not None else self.storage_options
-        return {**self.storage_options, **given}
+        return {**(self.storage_options or {}), **(given or {})} or None
 
     def _atomic_checkpoint_io(self) -> CheckpointIO:
         """``self.checkpoint_io`` made atomic, built once per plugin (an async one keeps its background thread)."""

@@ -1,13 +1,14 @@
 """Checkpoints in an object store: a real S3 API (moto's server on 127.0.0.1) and s3fs as the client.
 
-One 2-rank gloo run walks through every Trainer case (``_trainer_cases``) and asserts in the ranks: full and sharded
-saves through ``ModelCheckpoint(dirpath="s3://...")`` under ``default_root_dir="s3://..."``, top-k rotation removing
-only our old checkpoints, a resume with ``ckpt_path="last"`` that ends where the uninterrupted run did, a torn
-sharded checkpoint (its ``.metadata`` deleted) refused, and a user's object at the target refused and left intact.
-The test process then converts from and to the bucket (``convert`` and the CLI) and checks what it wrote.
+One 2-rank gloo run walks through every case that needs ranks (``_trainer_cases``) and asserts in the ranks: full and
+sharded saves through ``ModelCheckpoint`` under ``default_root_dir="s3://..."``, top-k rotation removing our old
+checkpoints, a resume with ``ckpt_path="last"`` that restores the saved state and ends where the uninterrupted run
+did, a torn sharded checkpoint (its ``.metadata`` deleted) refused, a user's objects at the target refused and left
+intact, ``load_pretrained`` from the bucket, and ``fabric.save``/``fabric.load`` in both forms. The test process then
+converts from and to the bucket (``convert`` and the CLI) and removes checkpoints through the ``CheckpointIO``.
 
 The ranks reach the server through ``AWS_ENDPOINT_URL`` (the variable Lightning's own ``ModelCheckpoint`` file system
-needs, as any fsspec user's would), the test process through ``storage_options`` only.
+needs, as any fsspec user's would) and Fabric's ``storage_options``; ``convert`` through ``storage_options`` only.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from typing import Any
 
 import lightning as L
 import pytest
+import s3fs
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+from moto.server import ThreadedMotoServer
 from safetensors.torch import save as save_safetensors
 
 from lightning_fsdp import FSDPStrategy
@@ -42,9 +45,6 @@ from tests.distributed import run_distributed
 from tests.engine_harness import ATOL, RTOL
 from tests.scripts.strategy_common import TINY, LitGPT, token_loader
 
-s3fs = pytest.importorskip("s3fs", reason="the object-store tests need s3fs (the dev extra)")
-moto_server = pytest.importorskip("moto.server", reason="the object-store tests need moto[server] (the dev extra)")
-
 BUCKET = "ckpts"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 STEPS, HALF = 8, 4
@@ -54,17 +54,16 @@ STEPS, HALF = 8, 4
 def s3_endpoint() -> Iterator[str]:
     """A moto S3 server on a free port of 127.0.0.1 with the bucket ``ckpts``, for the whole session."""
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    saved = {name: os.environ.get(name) for name in CREDENTIALS}
-    os.environ.update(CREDENTIALS)
-    port = free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True).mkdir(BUCKET)
-    yield endpoint
-    server.stop()
-    for name, value in saved.items():
-        os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in CREDENTIALS.items():
+            patch.setenv(name, value)
+        port = free_port()
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        endpoint = f"http://127.0.0.1:{port}"
+        s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True).mkdir(BUCKET)
+        yield endpoint
+        server.stop()
 
 
 def _store(endpoint: str) -> Any:

@@ -5,7 +5,8 @@ the user chose: ``AtomicCheckpointIO`` wraps any plugin so that it writes into a
 into place when complete (``checkpoint/atomic.py``). With Lightning's ``AsyncCheckpointIO`` the write happens in a
 background thread, so the rename must happen there too, after the write: the strategy puts ``AtomicCheckpointIO``
 *inside* the async wrapper (see ``atomic_checkpoint_io``), never around it. Lightning's plain ``TorchCheckpointIO``
-is replaced by our streaming ``torch.save`` (it would first serialise the whole checkpoint into memory).
+is replaced by our streaming ``torch.save`` (it would first serialise the whole checkpoint into memory). At an
+fsspec URL the file is one upload instead, visible only when complete (``checkpoint/remote.py``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from typing import Any
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_fsdp.checkpoint.atomic import remove, tensor_bytes, write_file_atomically
 from lightning_fsdp.checkpoint.full import save_full_checkpoint
+from lightning_fsdp.checkpoint.location import is_remote
+from lightning_fsdp.checkpoint.remote import remove_remote, save_full_remote
 
 __all__ = ["AtomicCheckpointIO", "atomic_checkpoint_io"]
 
@@ -31,6 +35,12 @@ class AtomicCheckpointIO(CheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if is_remote(path) and type(self.inner) is TorchCheckpointIO:
+            save_full_remote(path, checkpoint, storage_options)  # one upload: visible only when complete
+            return
+        if is_remote(path):  # the user's plugin writes to the store its own way
+            self.inner.save_checkpoint(checkpoint, path, storage_options)
+            return
         if type(self.inner) is TorchCheckpointIO and storage_options is None:
             save_full_checkpoint(path, checkpoint)
             return
@@ -46,7 +56,12 @@ class AtomicCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
-        remove(path)
+        if not is_remote(path):
+            remove(path)
+            return
+        left = remove_remote(path)
+        if left is not None:
+            rank_zero_warn(f"not removing {path}: {left}")
 
     @override
     def teardown(self) -> None:

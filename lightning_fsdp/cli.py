@@ -15,6 +15,7 @@ runs ``lightning_fsdp/__init__.py`` first, which registers them, before any Trai
 from __future__ import annotations
 
 import argparse
+import json
 import pickle
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing_extensions import override
 
 from lightning_fsdp.checkpoint.convert import FORMATS, convert
 from lightning_fsdp.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES
+from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.estimate import main as estimate_main
 from lightning_fsdp.process_exit import exit_after_distributed_run
 
@@ -67,8 +69,8 @@ def convert_main(argv: list[str]) -> None:
         description="Convert a checkpoint between a sharded folder, one full .ckpt, safetensors weights and a Hugging "
         "Face weights folder (--to hf, which from_pretrained reads).",
     )
-    parser.add_argument("src", help="a sharded checkpoint folder or a full .ckpt file")
-    parser.add_argument("dst", help="where to write the result (it appears only when complete)")
+    parser.add_argument("src", help="a sharded checkpoint folder or a full .ckpt file (or an fsspec URL: s3://...)")
+    parser.add_argument("dst", help="where to write the result, a path or a URL (it appears only when complete)")
     parser.add_argument("--to", choices=FORMATS, default="full", help="the output format (default: %(default)s)")
     parser.add_argument(
         "--strip-prefix",
@@ -92,6 +94,13 @@ def convert_main(argv: list[str]) -> None:
         action="store_true",
         help="allow SRC to unpickle more than plain data; only for files you wrote: unpickling can run code",
     )
+    parser.add_argument(
+        "--storage-options",
+        type=json.loads,
+        default=None,
+        help='for URLs: the store\'s fsspec options as JSON, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\' '
+        "(fsspec's and the store's own configuration, FSSPEC_S3_* or AWS_* variables, apply too)",
+    )
     options = parser.parse_args(argv)
     try:
         convert(
@@ -103,10 +112,11 @@ def convert_main(argv: list[str]) -> None:
             overwrite=options.overwrite,
             config=options.config,
             max_shard_bytes=int(options.max_shard_size * 1e9),
+            storage_options=options.storage_options,
         )
     except (OSError, ValueError, pickle.UnpicklingError) as err:
         parser.exit(2, f"lightning-fsdp convert: error: {err}\n")
-    print(f"wrote {Path(options.dst).resolve()}")
+    print(f"wrote {options.dst if is_remote(options.dst) else Path(options.dst).resolve()}")
 
 
 SUBCOMMANDS = {

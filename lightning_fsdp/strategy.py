@@ -43,7 +43,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -59,6 +59,9 @@ from lightning_fsdp.checkpoint.callback_tensors import (
     pop_callback_tensors,
 )
 from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_checkpoint, mark_trainable_only
+from lightning_fsdp.checkpoint.location import is_remote
+from lightning_fsdp.checkpoint.remote import remote_kind, remote_refusal, remove_remote
+from lightning_fsdp.checkpoint.remote_last import resolve_remote_last
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded
 from lightning_fsdp.checkpoint_io import atomic_checkpoint_io
 from lightning_fsdp.compile_support import accept_compiled_modules
@@ -138,6 +141,10 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         save_trainable_only: checkpoints hold only the parameters that require gradients (and, as always, the
             optimizer state, which only they have): an adapter's few MB instead of the whole model. Resuming from one
             leaves the other parameters as the model has them -- build it with its base weights first.
+        storage_options: for checkpoints at fsspec URLs (``s3://bucket/ckpts``): the keywords of the store's fsspec
+            file system (``{"endpoint_url": ..., "key": ..., "secret": ...}`` for s3fs), for every save, load and
+            removal; ``trainer.save_checkpoint(..., storage_options=)`` adds to them for one save. See
+            ``checkpoint/remote.py``.
         **kwargs: anything else is refused with a sentence: the torch-FSDP keywords Lightning forwards are all
             named arguments above.
     """
@@ -175,6 +182,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         sync_grads_each_micro_batch: bool = True,
         trust_checkpoint: bool = False,
         save_trainable_only: bool = False,
+        storage_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         refuse_unknown_keywords(kwargs)
@@ -213,6 +221,11 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         self.save_trainable_only = flag("save_trainable_only", save_trainable_only)
         self._atomic_io: tuple[CheckpointIO, CheckpointIO] | None = None  # (the plugin, it made atomic)
         self._deferred_signals: DeferredSignals | None = None
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(
+                f"storage_options must be a dict of the store's fsspec options, not a {type(storage_options).__name__}."
+            )
+        self.storage_options = storage_options
 
     # ----- where and how many ---------------------------------------------------------------------------------------
 
@@ -475,7 +488,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         first, on rank 0 and for every rank: a save replaces only a checkpoint of the same form and refuses anything
         else (a user's folder, a foreign file) before a byte is written. The full file goes through the
         ``checkpoint_io`` plugin made atomic (see ``checkpoint_io.py``; with ``AsyncCheckpointIO`` it appears when the
-        background write is complete).
+        background write is complete). ``filepath`` may be an fsspec URL (``s3://...``): see ``checkpoint/remote.py``.
         """
         if self.save_trainable_only:
             mark_trainable_only(checkpoint)
@@ -485,17 +498,25 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
                 state[f"optimizer_{index}"] = optimizer_state
             if callback_tensors := pop_callback_tensors(checkpoint):
                 state[CALLBACKS] = callback_tensors
-            save_sharded(filepath, state, checkpoint)
+            save_sharded(filepath, state, checkpoint, self._storage_options(storage_options))
             return
         gather_callback_tensors(checkpoint)
         refusal = None
         if self.is_global_zero:
-            refusal = check_destination(Path(filepath), "full", tensor_bytes(checkpoint))
+            if is_remote(filepath):
+                refusal = remote_refusal(filepath, "full", self._storage_options(storage_options))
+            else:
+                refusal = check_destination(Path(filepath), "full", tensor_bytes(checkpoint))
         refusal = self.broadcast(refusal)
         if refusal is not None:
             raise OSError(errno.ENOSPC, refusal) if refusal.startswith("no space") else FileExistsError(refusal)
         if self.is_global_zero:
-            self._atomic_checkpoint_io().save_checkpoint(checkpoint, filepath, storage_options)
+            options = self._storage_options(storage_options) if is_remote(filepath) else storage_options
+            self._atomic_checkpoint_io().save_checkpoint(checkpoint, filepath, options)
+
+    def _storage_options(self, given: Any | None) -> dict[str, Any] | None:
+        """The strategy's ``storage_options`` with those given to one call on top."""
+        return {**(self.storage_options or {}), **(given or {})} or None
 
     def _atomic_checkpoint_io(self) -> CheckpointIO:
         """``self.checkpoint_io`` made atomic, built once per plugin (an async one keeps its background thread)."""
@@ -506,7 +527,12 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
+        """Delete our checkpoint at ``filepath`` (``ModelCheckpoint``'s rotation); at a URL, only our own objects."""
+        if self.is_global_zero and is_remote(filepath):
+            left = remove_remote(filepath, self.storage_options)
+            if left is not None:
+                rank_zero_warn(f"not removing {filepath}: {left}")
+        elif self.is_global_zero:
             remove(filepath)
 
     @override
@@ -516,17 +542,25 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         A folder is a sharded checkpoint (any world size); a file is a full one -- ours, ddp's or a single
         device's. Everything is checked before anything is loaded, and nothing but plain data is unpickled unless
         the user trusts the file: ``trainer.fit(..., weights_only=False)`` or ``FSDPStrategy(trust_checkpoint=True)``
-        (an explicit ``weights_only=True`` wins over the latter).
+        (an explicit ``weights_only=True`` wins over the latter). At an fsspec URL, an object is a full checkpoint
+        and a prefix a sharded one.
         """
         module = self._module()
         optimizers = self.optimizers if module.trainer.state.fn == TrainerFn.FITTING else []
         weights_only = weights_only if weights_only is not None else _weights_only_given_to_the_trainer()
         trust = weights_only is False or (weights_only is None and self.trust_checkpoint)
         opt_in = "trainer.fit(..., weights_only=False) or FSDPStrategy(trust_checkpoint=True)"
+        targets = callback_tensor_targets(module.trainer.callbacks)  # ShardedEMA's rows, say
+        if is_remote(checkpoint_path):  # at a URL: what rank 0 finds there (a prefix: sharded; an object: full)
+            kind = self.broadcast(remote_kind(checkpoint_path, self.storage_options) if self.is_global_zero else None)
+            if kind is None:
+                raise FileNotFoundError(f"no checkpoint at {checkpoint_path}; pass a .ckpt object or a sharded prefix.")
+            load = load_sharded if kind == "sharded" else load_full_checkpoint
+            strict = module.strict_loading
+            return load(checkpoint_path, module, optimizers, strict, trust, opt_in, targets, self.storage_options)
         path = Path(checkpoint_path)
         if not path.exists():
             raise FileNotFoundError(f"no checkpoint at {path}; pass a .ckpt file or a sharded checkpoint folder.")
-        targets = callback_tensor_targets(module.trainer.callbacks)  # ShardedEMA's rows, say
         load = load_sharded if path.is_dir() else load_full_checkpoint
         return load(path, module, optimizers, module.strict_loading, trust, opt_in, targets)
 
@@ -581,3 +615,4 @@ def _weights_only_given_to_the_trainer() -> bool | None:
 
 
 accept_compiled_modules(FSDPStrategy)
+resolve_remote_last(FSDPStrategy)

@@ -23,6 +23,8 @@ from lightning_fsdp.checkpoint.callback_tensors import CALLBACKS, merge_callback
 from lightning_fsdp.checkpoint.destination import refusal_to_replace
 from lightning_fsdp.checkpoint.full import as_trainer_layout, positional_optimizer_state, save_full_checkpoint
 from lightning_fsdp.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, lightning_prefix, write_hf_folder
+from lightning_fsdp.checkpoint.location import is_remote
+from lightning_fsdp.checkpoint.remote import staged_for_convert
 from lightning_fsdp.checkpoint.safe_load import dcp_load_planner, dcp_reader, load_torch_file
 from lightning_fsdp.checkpoint.safetensors_stream import write_safetensors
 from lightning_fsdp.checkpoint.sharded import META_FILE, is_sharded_checkpoint, read_checked_metadata
@@ -41,6 +43,7 @@ def convert(
     overwrite: bool = False,
     config: str | os.PathLike | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
     """Convert the checkpoint at ``src`` into ``to`` at ``dst``; ``strip_prefix`` drops a name prefix (safetensors, hf).
 
@@ -49,10 +52,17 @@ def convert(
 
     ``dst`` must not exist, unless ``overwrite`` and it is a checkpoint of the form ``to`` (which is then replaced
     atomically); nothing else is ever replaced. ``trust`` allows unpickling more than plain data from ``src``.
+
+    ``src`` and ``dst`` may be fsspec URLs (``s3://bucket/ckpt``; ``storage_options`` for the store): the conversion
+    then runs on local copies in a temporary folder (see ``remote.staged_for_convert``).
     """
-    src, dst = Path(src), Path(dst)
     if to not in FORMATS:
         raise ValueError(f"--to {to!r} is not a format; use one of {', '.join(FORMATS)}.")
+    if is_remote(src) or is_remote(dst):
+        with staged_for_convert(src, dst, to, overwrite, trust, _OPT_IN, storage_options) as (local_src, local_dst):
+            convert(local_src, local_dst, to, strip_prefix, quiet, trust, False, config, max_shard_bytes)
+        return
+    src, dst = Path(src), Path(dst)
     if not src.exists():
         raise FileNotFoundError(f"no checkpoint at {src}.")
     if dst.exists() or dst.is_symlink():

@@ -25,7 +25,9 @@ from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.atomic import tensor_bytes, write_file_atomically
 from lightning_fsdp.checkpoint.callback_tensors import check_full_callback_tensors
+from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.optimizer_check import check_optimizer_fits, optimizers_restored_on_error
+from lightning_fsdp.checkpoint.remote import downloaded_once_per_host
 from lightning_fsdp.checkpoint.safe_load import load_torch_file
 from lightning_fsdp.engine.param import FSDPParam
 from lightning_fsdp.engine.registry import fsdp_param_of
@@ -79,13 +81,20 @@ def load_full_checkpoint(
     trust: bool = False,
     opt_in: str = "trust=True",
     callback_tensors: Mapping[str, dict[str, Tensor]] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load a full checkpoint file (ours, ddp's, one device's) into the sharded ``module`` and ``optimizers``; return
     the rest of it. Everything is checked -- keys, shapes, optimizer count, type, grouping, state shapes, the
     per-rank tensors of ``callback_tensors``' callbacks (see ``callback_tensors.py``) -- before the first tensor
-    changes. Read memory-mapped: each rank copies its rows without a second full copy.
+    changes. Read memory-mapped: each rank copies its rows without a second full copy. An object at an fsspec URL
+    is downloaded once per host for that (a collective; see ``remote.py``).
     """
-    return load_full_state(load_torch_file(path, trust, opt_in), path, module, optimizers, strict, callback_tensors)
+    if is_remote(path):
+        with downloaded_once_per_host(path, storage_options) as local:
+            checkpoint = load_torch_file(local, trust, opt_in)
+    else:
+        checkpoint = load_torch_file(path, trust, opt_in)
+    return load_full_state(checkpoint, path, module, optimizers, strict, callback_tensors)
 
 
 def as_trainer_layout(checkpoint: Any) -> list[str] | None:

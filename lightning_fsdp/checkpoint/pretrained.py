@@ -15,11 +15,15 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+from fsspec.core import url_to_fs
 from safetensors import safe_open
 from torch import nn
 
+from lightning_fsdp.checkpoint.location import is_remote
+from lightning_fsdp.checkpoint.remote_safetensors import RemoteSafetensors
 from lightning_fsdp.engine.registry import fsdp_param_of
 
 __all__ = ["PretrainedLoad", "load_pretrained", "safetensors_files"]
@@ -37,8 +41,13 @@ class PretrainedLoad:
     unexpected: list[str] = field(default_factory=list)
 
 
-def safetensors_files(path: str | os.PathLike) -> dict[str, Path]:
-    """Tensor name -> the file holding it, for a ``.safetensors`` file, an index JSON, or a folder with either."""
+def safetensors_files(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Tensor name -> the file holding it, for a ``.safetensors`` file, an index JSON, or a folder with either.
+
+    At an fsspec URL the files are URLs too (read by byte ranges, see ``remote_safetensors.py``).
+    """
+    if is_remote(path):
+        return _remote_safetensors_files(str(path).rstrip("/"), storage_options or {})
     path = Path(path)
     if path.is_dir():
         if (path / INDEX_FILE).is_file():
@@ -62,12 +71,37 @@ def safetensors_files(path: str | os.PathLike) -> dict[str, Path]:
         raise ValueError(f"{path} is not a safetensors file ({err}).") from None
 
 
+def _remote_safetensors_files(url: str, storage_options: dict[str, Any]) -> dict[str, str]:
+    fs, path = url_to_fs(url, **storage_options)
+    if not url.endswith((".json", ".safetensors")):
+        for name in (INDEX_FILE, SINGLE_FILE):
+            if fs.isfile(f"{path}/{name}"):
+                return _remote_safetensors_files(f"{url}/{name}", storage_options)
+        raise FileNotFoundError(f"{url} holds neither {SINGLE_FILE} nor {INDEX_FILE}; pass the weights' file.")
+    if not fs.isfile(path):
+        raise FileNotFoundError(f"no pretrained weights at {url}.")
+    if url.endswith(".json"):
+        try:
+            weight_map = json.loads(fs.cat_file(path))["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{url} is not a safetensors index (no 'weight_map': {err}).") from None
+        folder = url.rsplit("/", 1)[0]
+        return {name: f"{folder}/{file}" for name, file in weight_map.items()}
+    return {name: url for name in RemoteSafetensors(url, storage_options).keys()}
+
+
+def _open(file: Any, storage_options: dict[str, Any] | None) -> Any:
+    """``safe_open`` of a local file, or its byte-range reading counterpart for a URL."""
+    return RemoteSafetensors(file, storage_options) if is_remote(file) else safe_open(file, framework="pt")
+
+
 def load_pretrained(
     module: nn.Module,
     path: str | os.PathLike,
     prefix: str = "",
     strict: bool = True,
     rename: Callable[[str], str] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> PretrainedLoad:
     """Copy safetensors weights at ``path`` into ``module``'s parameters and persistent buffers, in place.
 
@@ -77,10 +111,13 @@ def load_pretrained(
     ``self.model``); ``rename`` maps the remaining name to the file's, if they differ further. A parameter shared
     under several names (tied embeddings) is filled from whichever of its names the file has.
 
+    ``path`` may be an fsspec URL (``s3://bucket/model``; ``storage_options`` for the store): each rank then
+    fetches only the byte ranges of its rows.
+
     Raises (before anything is copied): ``ValueError`` naming missing and unexpected keys (``strict``) and shape
     mismatches; ``FileNotFoundError``.
     """
-    sources = safetensors_files(path)
+    sources = safetensors_files(path, storage_options)
     targets: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         if name.startswith(prefix):
@@ -101,7 +138,7 @@ def load_pretrained(
             )
         plan.append((tensor, found[0], key_of[found[0]]))
     unexpected = sorted(set(sources) - set(key_of.values()))
-    _check_shapes(plan, sources)
+    _check_shapes(plan, sources, storage_options)
     problems = []
     if strict and missing:
         problems.append(f"missing keys {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}")
@@ -114,7 +151,7 @@ def load_pretrained(
         )
     with torch.no_grad():
         for tensor, _, key in plan:
-            _copy_rows(tensor, sources[key], key)
+            _copy_rows(tensor, sources[key], key, storage_options)
     return PretrainedLoad(sorted(name for _, name, _ in plan), sorted(missing), unexpected)
 
 
@@ -123,10 +160,12 @@ def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(fsdp_param.shape if fsdp_param is not None else tensor.shape)
 
 
-def _check_shapes(plan: list[tuple[torch.Tensor, str, str]], sources: dict[str, Path]) -> None:
+def _check_shapes(
+    plan: list[tuple[torch.Tensor, str, str]], sources: dict[str, Any], storage_options: dict[str, Any] | None
+) -> None:
     wrong = []
     for tensor, name, key in plan:
-        with safe_open(sources[key], framework="pt") as handle:
+        with _open(sources[key], storage_options) as handle:
             shape = tuple(handle.get_slice(key).get_shape())
         if shape != _full_shape(tensor):
             wrong.append(f"'{name}' has shape {shape} in the file but {_full_shape(tensor)} in the model")
@@ -134,10 +173,10 @@ def _check_shapes(plan: list[tuple[torch.Tensor, str, str]], sources: dict[str, 
         raise ValueError("the pretrained weights do not fit this model: " + "; ".join(wrong[:6]) + ".")
 
 
-def _copy_rows(target: torch.Tensor, file: Path, key: str) -> None:
+def _copy_rows(target: torch.Tensor, file: Any, key: str, storage_options: dict[str, Any] | None) -> None:
     """Read ``key``'s rows this rank holds (all of them for a tensor that is not sharded) into ``target``."""
     fsdp_param = fsdp_param_of(target)
-    with safe_open(file, framework="pt") as handle:
+    with _open(file, storage_options) as handle:
         if fsdp_param is None or len(fsdp_param.shape) == 0:
             source = handle.get_tensor(key)
             if fsdp_param is not None:  # a 0-dim parameter: its one row lives on the shard group's first rank

@@ -27,14 +27,18 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
+
+from lightning_fsdp.checkpoint.location import is_remote
 
 __all__ = [
     "UntrustedCheckpointError",
     "check_is_torch_archive",
     "load_torch_file",
+    "load_torch_bytes",
     "read_dcp_metadata",
     "dcp_load_planner",
     "dcp_reader",
@@ -88,14 +92,29 @@ def check_is_torch_archive(path: str | os.PathLike) -> None:
 def load_torch_file(path: str | os.PathLike, trust: bool, opt_in: str, mmap: bool = True) -> Any:
     """``torch.load`` of ``path`` to the CPU: plain data only unless ``trust``; ``opt_in`` names how to trust it."""
     check_is_torch_archive(path)
+    return _torch_load(path, path, trust, opt_in, mmap)
+
+
+def load_torch_bytes(data: bytes, name: str, trust: bool, opt_in: str) -> Any:
+    """``load_torch_file`` of a file's bytes (a ``meta.pt`` read from an object store); ``name`` names it."""
+    if not data:
+        raise ValueError(f"{name} is not a checkpoint: the object is empty (an interrupted upload?).")
+    buffer = io.BytesIO(data)
+    if not zipfile.is_zipfile(buffer):
+        raise ValueError(f"{name} is not a checkpoint: it is not an archive written by torch.save.")
+    buffer.seek(0)
+    return _torch_load(buffer, name, trust, opt_in, mmap=False)
+
+
+def _torch_load(source: str | os.PathLike | io.BytesIO, name: object, trust: bool, opt_in: str, mmap: bool) -> Any:
     if trust:
-        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+        return torch.load(source, map_location="cpu", mmap=mmap, weights_only=False)
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+            return torch.load(source, map_location="cpu", mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as err:
         found = _GLOBAL_IN_TORCH_MESSAGE.search(str(err))
-        raise _untrusted(path, found.group(1) if found else "an object that is not plain data", opt_in) from None
+        raise _untrusted(str(name), found.group(1) if found else "an object that is not plain data", opt_in) from None
 
 
 def _untrusted(path: str | os.PathLike, name: str, opt_in: str) -> UntrustedCheckpointError:
@@ -121,27 +140,36 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _untrusted(self._path, f"{module}.{name}", self._opt_in)
 
 
-def read_dcp_metadata(path: str | os.PathLike, trust: bool, opt_in: str) -> Metadata:
+def read_dcp_metadata(
+    path: str | os.PathLike, trust: bool, opt_in: str, storage_options: dict[str, Any] | None = None
+) -> Metadata:
     """The ``.metadata`` of the DCP folder ``path``, read by the restricted unpickler unless ``trust``."""
-    return dcp_reader(path, trust, opt_in).read_metadata()
+    return dcp_reader(path, trust, opt_in, storage_options).read_metadata()
 
 
-def dcp_reader(path: str | os.PathLike, trust: bool, opt_in: str) -> FileSystemReader:
-    """A DCP reader for ``path`` whose metadata read runs no code from the file unless ``trust``."""
+def dcp_reader(
+    path: str | os.PathLike, trust: bool, opt_in: str, storage_options: dict[str, Any] | None = None
+) -> FileSystemReader:
+    """A DCP reader for ``path`` whose metadata read runs no code from the file unless ``trust``.
+
+    ``path`` is a local folder, or an fsspec URL (``s3://bucket/prefix``) read through torch's ``FsspecReader`` with
+    ``storage_options`` (see ``remote.py``).
+    """
+    if is_remote(path):
+        options = storage_options or {}
+        return FsspecReader(path, **options) if trust else _SafeFsspecReader(path, opt_in, **options)
     return FileSystemReader(path) if trust else _SafeFileSystemReader(path, opt_in)
 
 
-class _SafeFileSystemReader(FileSystemReader):
-    """torch's reader, except that ``.metadata`` goes through ``_MetadataUnpickler`` instead of ``pickle.load``."""
+class _SafeMetadataRead:
+    """torch's ``read_metadata``, except that ``.metadata`` goes through ``_MetadataUnpickler``, not ``pickle.load``."""
 
-    def __init__(self, path: str | os.PathLike, opt_in: str) -> None:
-        super().__init__(path)
-        self._opt_in = opt_in
+    _opt_in: str
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        file = Path(self._get_metadata_path(kwargs.get("rank")))
+        file = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
         try:
-            with open(file, "rb") as handle:
+            with self.fs.create_stream(file, "rb") as handle:  # type: ignore[attr-defined]
                 metadata = _MetadataUnpickler(handle, file, self._opt_in).load()
         except UntrustedCheckpointError:
             raise
@@ -153,8 +181,20 @@ class _SafeFileSystemReader(FileSystemReader):
             raise ValueError(f"{file} is not a checkpoint's metadata (it holds a {type(metadata).__name__}).")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[attr-defined]
         return metadata
+
+
+class _SafeFileSystemReader(_SafeMetadataRead, FileSystemReader):
+    def __init__(self, path: str | os.PathLike, opt_in: str) -> None:
+        super().__init__(path)
+        self._opt_in = opt_in
+
+
+class _SafeFsspecReader(_SafeMetadataRead, FsspecReader):
+    def __init__(self, path: str | os.PathLike, opt_in: str, **storage_options: Any) -> None:
+        super().__init__(path, **storage_options)
+        self._opt_in = opt_in
 
 
 def dcp_load_planner(trust: bool, opt_in: str) -> DefaultLoadPlanner:

@@ -12,7 +12,8 @@ trusts the folder (see ``safe_load.py``).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.storage import StorageReader
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.atomic import atomic_directory, tensor_bytes
 from lightning_fsdp.checkpoint.callback_tensors import CALLBACKS, merge_callback_tensors, recorded_callback_tensors
 from lightning_fsdp.checkpoint.full import check_no_unexpected, is_trainable_only
+from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.optimizer_check import check_optimizer_fits, optimizers_restored_on_error
+from lightning_fsdp.checkpoint.remote import (
+    is_sharded_remote,
+    load_meta_remote,
+    read_checked_metadata_remote,
+    save_sharded_remote,
+)
 from lightning_fsdp.checkpoint.safe_load import dcp_load_planner, dcp_reader, load_torch_file, read_dcp_metadata
 from lightning_fsdp.engine.registry import fsdp_param_of
 from lightning_fsdp.engine.state_dict import (
@@ -41,7 +50,10 @@ META_FILE = "meta.pt"
 DCP_METADATA_FILE = ".metadata"
 
 
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+def is_sharded_checkpoint(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> bool:
+    """A complete sharded checkpoint: a folder (or, at a URL, a prefix) holding DCP's ``.metadata``."""
+    if is_remote(path):
+        return is_sharded_remote(path, storage_options)
     return Path(path).is_dir() and (Path(path) / DCP_METADATA_FILE).is_file()
 
 
@@ -53,8 +65,16 @@ def sharded_checkpoint_state(module: nn.Module, optimizers: Sequence[Optimizer])
     return state
 
 
-def save_sharded(path: str | os.PathLike, state: dict[str, Any], meta: dict[str, Any]) -> None:
-    """Write the folder atomically: ``state`` (see ``sharded_checkpoint_state``) in DCP format, ``meta.pt``."""
+def save_sharded(
+    path: str | os.PathLike, state: dict[str, Any], meta: dict[str, Any], storage_options: dict[str, Any] | None = None
+) -> None:
+    """Write the folder atomically: ``state`` (see ``sharded_checkpoint_state``) in DCP format, ``meta.pt``.
+
+    At an fsspec URL every rank writes straight to the store, the completion mark last (see ``remote.py``).
+    """
+    if is_remote(path):
+        save_sharded_remote(path, state, meta, storage_options)
+        return
     with atomic_directory(path, expected_bytes=tensor_bytes(state)) as tmp:
         dcp.save(state, checkpoint_id=tmp)
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -69,23 +89,30 @@ def load_sharded(
     trust: bool = False,
     opt_in: str = "trust=True",
     callback_tensors: Mapping[str, dict[str, Tensor]] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load model and optimizer states into place after checking the whole folder; returns ``meta.pt``'s contents.
 
     ``trust`` allows unpickling more than plain data (``opt_in`` is how the caller's user says so, for messages).
     ``callback_tensors``: callbacks' per-rank tensors to load in place, by state key (see ``callback_tensors.py``);
-    those the folder records come back inside the returned callback states.
+    those the folder records come back inside the returned callback states. ``path`` may be an fsspec URL (each
+    rank then reads only its byte ranges; ``storage_options`` as fsspec takes them).
     """
-    path = Path(path)
-    metadata = read_checked_metadata(path, trust, opt_in)
-    meta = load_torch_file(path / META_FILE, trust, opt_in)
+    if is_remote(path):
+        metadata = read_checked_metadata_remote(path, trust, opt_in, storage_options)
+        meta = load_meta_remote(path, trust, opt_in, storage_options)
+    else:
+        path = Path(path)
+        metadata = read_checked_metadata(path, trust, opt_in)
+        meta = load_torch_file(path / META_FILE, trust, opt_in)
     if not isinstance(meta, dict):
-        raise ValueError(f"{path / META_FILE} is not a checkpoint's meta.pt (it holds a {type(meta).__name__}).")
+        raise ValueError(f"{path}'s {META_FILE} is not a checkpoint's meta.pt (it holds a {type(meta).__name__}).")
     if is_trainable_only(meta):
         saved = {key[len("model.") :] for key in metadata.state_dict_metadata if key.startswith("model.")}
         check_no_unexpected(set(module.state_dict(keep_vars=True)), saved, path)
         strict = False
     check_model_keys(metadata, module, strict)
+    reader = partial(dcp_reader, path, trust, opt_in, storage_options)
     saved_optimizers = sorted(
         {key.split(".")[0] for key in metadata.state_dict_metadata if key.startswith("optimizer_")}
     )
@@ -105,13 +132,13 @@ def load_sharded(
             _check_optimizer_names(metadata, index, module)
             names = [parameter_names(module)[id(p)] for group in optimizer.param_groups for p in group["params"]]
             saved_keys = _saved_state_keys(metadata, index)
-            saved_groups = _saved_param_groups(path, metadata, index, trust, opt_in)
+            saved_groups = _saved_param_groups(reader, metadata, index, trust, opt_in)
             positional_keys = {i: saved_keys[name] for i, name in enumerate(names) if name in saved_keys}
             check_optimizer_fits(optimizer, saved_groups, positional_keys, names, path)
             target[f"optimizer_{index}"] = _recorded_hyperparameters_only(
                 sharded_optimizer_state_dict(module, optimizer), metadata, index
             )
-    dcp.load(target, storage_reader=dcp_reader(path, trust, opt_in), planner=dcp_load_planner(trust, opt_in))
+    dcp.load(target, storage_reader=reader(), planner=dcp_load_planner(trust, opt_in))
     optimizer_states = {optimizer: target[f"optimizer_{index}"] for index, optimizer in enumerate(optimizers)}
     write_back_scalars(module, target["model"], optimizer_states)
     for index, optimizer in enumerate(optimizers):
@@ -237,7 +264,9 @@ def _saved_state_keys(metadata: Metadata, index: int) -> dict[str, set[str]]:
     return keys
 
 
-def _saved_param_groups(path: Path, metadata: Metadata, index: int, trust: bool, opt_in: str) -> list[dict[str, Any]]:
+def _saved_param_groups(
+    reader: Callable[[], StorageReader], metadata: Metadata, index: int, trust: bool, opt_in: str
+) -> list[dict[str, Any]]:
     """Optimizer ``index``'s parameter groups as recorded: hyperparameter names (values not read) and ``params``.
 
     The parameter names of a group are one pickled list, not visible in the metadata: read just those (a collective).
@@ -254,7 +283,7 @@ def _saved_param_groups(path: Path, metadata: Metadata, index: int, trust: bool,
         if isinstance(metadata.state_dict_metadata.get(f"{prefix}{number}.params"), BytesStorageMetadata)
     }
     if params:
-        dcp.load(params, storage_reader=dcp_reader(path, trust, opt_in), planner=dcp_load_planner(trust, opt_in))
+        dcp.load(params, storage_reader=reader(), planner=dcp_load_planner(trust, opt_in))
     for key, names in params.items():
         groups[int(key[len(prefix) :].split(".")[0])]["params"] = list(names or [])
     for group in groups.values():

@@ -45,7 +45,9 @@ from lightning_fsdp.checkpoint.full import (
     positional_optimizer_state,
     save_full_checkpoint,
 )
+from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.optimizer_check import optimizers_restored_on_error
+from lightning_fsdp.checkpoint.remote import downloaded_once_per_host, load_meta_remote, remote_kind, save_full_remote
 from lightning_fsdp.checkpoint.safe_load import load_torch_file
 from lightning_fsdp.checkpoint.sharded import META_FILE, is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_fsdp.engine.registry import unit_of
@@ -92,7 +94,9 @@ def split_state(state: Mapping[str, Any]) -> FabricState:
     return FabricState(sharded[0], state[sharded[0]], optimizers, others)
 
 
-def save_full(path: Path, parts: FabricState, filter: Filter, rank0: bool) -> None:
+def save_full(
+    path: str | Path, parts: FabricState, filter: Filter, rank0: bool, storage_options: dict[str, Any] | None = None
+) -> None:
     """Gather the module and optimizers (a collective) and, on rank 0, write one file atomically, in Fabric's layout:
     the user's keys hold the full state dicts, ``FABRIC_KEY`` the names our loaders need.
 
@@ -112,35 +116,52 @@ def save_full(path: Path, parts: FabricState, filter: Filter, rank0: bool) -> No
                 "lightning_version": lightning.__version__,
             },
         }
-        save_full_checkpoint(path, checkpoint)
+        if is_remote(path):
+            save_full_remote(str(path), checkpoint, storage_options)
+        else:
+            save_full_checkpoint(path, checkpoint)
 
 
-def save_sharded_folder(path: Path, parts: FabricState, filter: Filter) -> None:
+def save_sharded_folder(
+    path: str | Path, parts: FabricState, filter: Filter, storage_options: dict[str, Any] | None = None
+) -> None:
     """Write the DCP folder and ``meta.pt`` atomically, every rank its own rows (a collective)."""
     _refuse_optimizer_filter(parts, filter)
     state: dict[str, Any] = {"model": _filtered(parts.module_key, sharded_state_dict(parts.module), filter)}
     for index, optimizer in enumerate(parts.optimizers.values()):
         state[f"optimizer_{index}"] = sharded_optimizer_state_dict(parts.module, optimizer)
-    save_sharded(path, state, {**_metadata(parts, filter), **_record(parts)})
+    save_sharded(path, state, {**_metadata(parts, filter), **_record(parts)}, storage_options)
 
 
-def load_into(path: Path, parts: FabricState, strict: bool, trust: bool, opt_in: str) -> dict[str, Any]:
+def load_into(
+    path: str | Path,
+    parts: FabricState,
+    strict: bool,
+    trust: bool,
+    opt_in: str,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Load a full file or a sharded folder into ``parts``; return the entries nobody asked for.
 
     The requested metadata entries are put into ``parts.others``' owner by the caller (see ``restore_metadata``).
+    ``path`` may be an fsspec URL: a prefix is read range by range, an object downloaded once per host.
     """
     fabric_layout = False
-    if path.is_dir():
-        if not is_sharded_checkpoint(path):
+    kind = _kind(path, storage_options)
+    if kind == "sharded":
+        if not is_sharded_checkpoint(path, storage_options):
             raise FileNotFoundError(f"{path} is a folder but not a sharded checkpoint (it has no .metadata file).")
-        meta = load_torch_file(path / META_FILE, trust, opt_in)
+        if is_remote(path):
+            meta = load_meta_remote(str(path), trust, opt_in, storage_options)
+        else:
+            meta = load_torch_file(Path(path) / META_FILE, trust, opt_in)
         if not isinstance(meta, dict):
-            raise ValueError(f"{path / META_FILE} is not a checkpoint's meta.pt (it holds a {type(meta).__name__}).")
+            raise ValueError(f"{path}'s {META_FILE} is not a checkpoint's meta.pt (it holds a {type(meta).__name__}).")
         optimizers = _in_saved_order(parts, _recorded_optimizers(meta), path)
         _check_requested(parts, meta, strict, path)
-        remainder = load_sharded(path, parts.module, optimizers, strict, trust, opt_in)
-    elif path.is_file():
-        checkpoint = load_torch_file(path, trust, opt_in)
+        remainder = load_sharded(path, parts.module, optimizers, strict, trust, opt_in, None, storage_options)
+    elif kind == "full":
+        checkpoint = _read_file(path, trust, opt_in, storage_options)
         if not isinstance(checkpoint, dict):
             raise ValueError(f"{path} is not a checkpoint: it holds a {type(checkpoint).__name__}, not a dict.")
         names = as_trainer_layout(checkpoint)  # a full file of fabric.save's layout
@@ -170,6 +191,22 @@ def restore_metadata(remainder: dict[str, Any], parts: FabricState, state: dict[
             state[key] = value
 
 
+def _kind(path: str | Path, storage_options: dict[str, Any] | None) -> str | None:
+    """``"sharded"`` (a folder, a prefix), ``"full"`` (a file, an object) or None (nothing there)."""
+    if is_remote(path):
+        return remote_kind(str(path), storage_options)
+    path = Path(path)
+    return "sharded" if path.is_dir() else "full" if path.is_file() else None
+
+
+def _read_file(path: str | Path, trust: bool, opt_in: str, storage_options: dict[str, Any] | None = None) -> Any:
+    """A full file's contents (plain data only unless ``trust``); an object downloaded once per host (collective)."""
+    if not is_remote(path):
+        return load_torch_file(path, trust, opt_in)
+    with downloaded_once_per_host(str(path), storage_options) as local:
+        return load_torch_file(local, trust, opt_in)
+
+
 def load_raw_module(path: Path, module: nn.Module, strict: bool, trust: bool, opt_in: str) -> None:
     """A plain ``module.state_dict()`` file into the sharded ``module`` through ``module.load_state_dict``, as ddp
     loads it: the modules' own ``_load_from_state_dict`` (renamed keys) and load hooks run, every rank keeps its rows
@@ -185,13 +222,13 @@ def load_raw_optimizer(path: Path, module: nn.Module, optimizer: Optimizer, trus
     load_full_optimizer_state(module, optimizer, state)
 
 
-def _raw_file(path: Path, trust: bool, opt_in: str) -> dict[str, Any]:
-    if path.is_dir():
+def _raw_file(path: str | Path, trust: bool, opt_in: str) -> dict[str, Any]:
+    if _kind(path, None) == "sharded":
         raise ValueError(
             f"{path} is a sharded checkpoint folder; fabric.load_raw reads one state-dict file, so use "
             "fabric.load(path, {'model': model, ...}) for the folder."
         )
-    state = load_torch_file(path, trust, opt_in)
+    state = _read_file(path, trust, opt_in)
     if not isinstance(state, dict):
         raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict; save one with torch.save.")
     return state

@@ -50,6 +50,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
 from lightning_fsdp.checkpoint.atomic import check_destination
+from lightning_fsdp.checkpoint.location import is_remote
+from lightning_fsdp.checkpoint.remote import remote_refusal
 from lightning_fsdp.engine import MixedPrecision, clip_grad_norm_, clip_grad_value_, no_sync
 from lightning_fsdp.engine.deferred_init import track_meta_build
 from lightning_fsdp.engine.registry import unit_of
@@ -88,6 +90,9 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
             ``FSDPStrategy`` and the other way round.
         trust_checkpoint: let ``fabric.load`` unpickle more than plain data. Only for files you wrote yourself;
             ``fabric.load(..., weights_only=False)`` does the same for one load.
+        storage_options: for checkpoints at fsspec URLs (``s3://bucket/ckpt``): the keywords of the store's fsspec
+            file system (``{"endpoint_url": ..., "key": ..., "secret": ...}`` for s3fs), for ``fabric.save`` and
+            ``fabric.load``. See ``checkpoint/remote.py``.
         **kwargs: anything else is refused with a sentence.
     """
 
@@ -120,6 +125,7 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         use_orig_params: bool = True,
         device_id: int | torch.device | None = None,
         trust_checkpoint: bool = False,
+        storage_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         refuse_unknown_keywords(kwargs)
@@ -152,6 +158,11 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
             device_id=device_id,
             trust_checkpoint=trust_checkpoint,
         )
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(
+                f"storage_options must be a dict of the store's fsspec options, not a {type(storage_options).__name__}."
+            )
+        self.storage_options = storage_options
         self._backward_sync_control = _EngineBackwardSyncControl()
         self._sharded_modules: WeakSet[nn.Module] = WeakSet()
         # A parameter fully_shard replaced -> (its module, its name), to give an optimizer built before the shards.
@@ -385,17 +396,26 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         The destination is checked on rank 0 before anything is gathered: a save replaces only a checkpoint of the
         same form, and every rank raises the same refusal.
         """
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (it has no CheckpointIO).")
-        path = Path(self.broadcast(str(path)))
+        path = self.broadcast(str(path))
+        if storage_options is not None and not is_remote(path):
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint takes storage_options only for a URL (s3://...), not {path}."
+            )
+        path = path if is_remote(path) else Path(path)
+        storage_options = {**(self.storage_options or {}), **(storage_options or {})} if is_remote(path) else None
         parts = split_state(state)
         if self.state_dict_type == "sharded":
-            save_sharded_folder(path, parts, filter or {})
+            save_sharded_folder(path, parts, filter or {}, storage_options)
             return
-        _raise_refusal(self.broadcast(check_destination(path, "full", 0) if self.is_global_zero else None))
+        refusal = None
+        if self.is_global_zero and is_remote(path):
+            refusal = remote_refusal(str(path), "full", storage_options)
+        elif self.is_global_zero:
+            refusal = check_destination(Path(path), "full", 0)
+        _raise_refusal(self.broadcast(refusal))
         failure = None
         try:
-            save_full(path, parts, filter or {}, self.is_global_zero)
+            save_full(path, parts, filter or {}, self.is_global_zero, storage_options)
         except Exception as err:
             failure = err
         # Rank 0 alone writes: the others learn whether it failed instead of waiting for it in the next barrier.
@@ -418,7 +438,8 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         Nothing but plain data is unpickled unless trusted: ``fabric.load(..., weights_only=False)`` or
         ``FabricFSDPStrategy(trust_checkpoint=True)`` (an explicit ``weights_only=True`` wins over the latter).
         """
-        path = Path(self.broadcast(str(path)))
+        path = self.broadcast(str(path))
+        path = path if is_remote(path) else Path(path)
         trust = weights_only is False or (weights_only is None and self.trust_checkpoint)
         opt_in = "fabric.load(..., weights_only=False) or FabricFSDPStrategy(trust_checkpoint=True)"
         if isinstance(state, nn.Module):
@@ -434,7 +455,7 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
                 "back as one dictionary."
             )
         parts: FabricState = split_state(state)
-        remainder = load_into(path, parts, strict, trust, opt_in)
+        remainder = load_into(path, parts, strict, trust, opt_in, self.storage_options)
         restore_metadata(remainder, parts, state)
         return remainder
 

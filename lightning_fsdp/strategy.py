@@ -49,7 +49,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.averaging.unsupported import refuse_unsharded_averaging
-from lightning_fsdp.checkpoint.atomic import check_destination, remove, tensor_bytes
+from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_rank, remove, tensor_bytes
 from lightning_fsdp.checkpoint.callback_tensors import (
     CALLBACKS,
     callback_tensor_targets,
@@ -483,8 +483,13 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         refusal = self.broadcast(refusal)
         if refusal is not None:
             raise OSError(errno.ENOSPC, refusal) if refusal.startswith("no space") else FileExistsError(refusal)
+        failure = None
         if self.is_global_zero:
-            self._atomic_checkpoint_io().save_checkpoint(checkpoint, filepath, storage_options)
+            try:
+                self._atomic_checkpoint_io().save_checkpoint(checkpoint, filepath, storage_options)
+            except BaseException as err:
+                failure = err
+        raise_on_every_rank(failure, Path(filepath))  # rank 0 wrote alone: every rank learns how it went
 
     def _atomic_checkpoint_io(self) -> CheckpointIO:
         """``self.checkpoint_io`` made atomic, built once per plugin (an async one keeps its background thread)."""

@@ -54,8 +54,13 @@ def sharded_checkpoint_state(module: nn.Module, optimizers: Sequence[Optimizer])
 
 
 def save_sharded(path: str | os.PathLike, state: dict[str, Any], meta: dict[str, Any]) -> None:
-    """Write the folder atomically: ``state`` (see ``sharded_checkpoint_state``) in DCP format, ``meta.pt``."""
-    with atomic_directory(path, expected_bytes=tensor_bytes(state)) as tmp:
+    """Write the folder atomically: ``state`` (see ``sharded_checkpoint_state``) in DCP format, ``meta.pt``.
+
+    ``path`` is this rank's own: ranks that share no disk each publish their shards into theirs, with rank 0's
+    ``.metadata`` and ``meta.pt`` copied beside them (see [Note: ranks that share no disk] in ``atomic.py``).
+    """
+    rank0_files = (DCP_METADATA_FILE, META_FILE)
+    with atomic_directory(path, expected_bytes=tensor_bytes(state), rank0_files=rank0_files) as tmp:
         dcp.save(state, checkpoint_id=tmp)
         if not dist.is_initialized() or dist.get_rank() == 0:
             torch.save(meta, tmp / META_FILE)

@@ -57,7 +57,7 @@ from lightning_fsdp.checkpoint.callback_tensors import (
     pop_callback_tensors,
 )
 from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_checkpoint, mark_trainable_only
-from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded
+from lightning_fsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_fsdp.checkpoint_io import atomic_checkpoint_io
 from lightning_fsdp.compile_support import accept_compiled_modules
 from lightning_fsdp.engine import MixedPrecision, no_sync
@@ -500,7 +500,9 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
+        """Rank 0 removes a full file; every rank that sees a sharded folder there removes it: ranks that share no
+        disk each published their own (see [Note: ranks that share no disk] in ``checkpoint/atomic.py``)."""
+        if self.is_global_zero or (self.state_dict_type == "sharded" and is_sharded_checkpoint(filepath)):
             remove(filepath)
 
     @override

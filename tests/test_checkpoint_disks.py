@@ -72,12 +72,21 @@ def _own_folder(out: Path, layout: str, rank: int) -> Path:
 
 
 def _save_in_own_folders(rank: int, world_size: int, out_name: str, layout: str) -> None:
-    """Train 2 steps, save into this rank's own folder (twice: the second replaces the first), train 2 more."""
+    """Train 2 steps, save into this rank's own folder (twice: the second replaces the first), train 2 more; an
+    older checkpoint beside it goes through the strategy's ``remove_checkpoint`` (top-k rotation) on every disk."""
     out = Path(out_name)
     model, optimizer = _model()
     _train(model, optimizer, 2, seed=rank)
+    old = _own_folder(out, layout, rank).with_name("old")
+    save_sharded(old, sharded_checkpoint_state(model, [optimizer]), {"global_step": 0})
     save_sharded(_own_folder(out, layout, rank), sharded_checkpoint_state(model, [optimizer]), {"global_step": 1})
     save_sharded(_own_folder(out, layout, rank), sharded_checkpoint_state(model, [optimizer]), {"global_step": 2})
+    _as_launched_rank(rank, world_size)
+    strategy = _trainer(FSDPStrategy(state_dict_type="sharded"), world_size).strategy
+    assert strategy.is_global_zero == (rank == 0)
+    strategy.remove_checkpoint(old)
+    dist.barrier()
+    assert not old.exists()
     _train(model, optimizer, 2, seed=100 + rank)
     weights = full_state_dict(model)
     if rank == 0:

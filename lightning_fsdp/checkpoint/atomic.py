@@ -197,11 +197,17 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def remove(path: str | os.PathLike) -> None:
-    """Delete a checkpoint file or folder (a link: only the link); a folder leaves its name in one step first."""
+    """Delete a checkpoint file or folder (a link: only the link); a folder leaves its name in one step first.
+
+    Ranks that share the folder may all call this at once: the first rename wins, the others find nothing to do.
+    """
     path = Path(path)
     if path.is_dir() and not path.is_symlink():
         aside = temporary_sibling(path)
-        os.replace(path, aside)
+        try:
+            os.replace(path, aside)
+        except FileNotFoundError:
+            return
         discard(aside)
     else:
         path.unlink(missing_ok=True)

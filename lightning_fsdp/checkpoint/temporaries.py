@@ -48,8 +48,9 @@ def writer_file(folder: Path, rank: int) -> Path:
 
 
 def claim(folder: Path, rank: int = 0, token: str = "") -> IO[str]:
-    """Mark ``folder`` as being written by this process (as ``rank``); the returned handle holds the lock: close it
-    (``release``) when done. The file appears under its name already locked and complete (written aside, renamed)."""
+    """Mark ``folder`` as being written by this process (as ``rank``, for the save ``token`` names); the returned
+    handle holds the lock: close it (``release``) when done. The file appears under its name already locked and
+    complete (written aside, then renamed), so nobody reads a record half-written."""
     final = writer_file(folder, rank)
     aside = folder / f".{uuid.uuid4().hex}.writing"
     handle = open(aside, "x")  # noqa: SIM115 -- the lock lives as long as this handle
@@ -99,8 +100,15 @@ def delete_temporary(folder: Path) -> None:
 
 
 def discard(folder: Path) -> None:
-    """Delete a folder we renamed aside (an old checkpoint being replaced or removed), marked first as ours."""
-    handle = claim(folder)
+    """Delete a folder we renamed aside (an old checkpoint being replaced or removed), marked first as ours.
+
+    The mark is a courtesy to the next save (a crash midway leaves a folder it can remove): a disk too full to take
+    it must not fail a save that is already published.
+    """
+    try:
+        handle: IO[str] | None = claim(folder)
+    except OSError:
+        handle = None
     try:
         delete_temporary(folder)
     finally:
@@ -133,8 +141,8 @@ def _writer_alive(file: Path) -> bool | None:
         return None
     try:
         with open(file) as handle:
-            try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:  # a shared lock is all a read-only handle may take everywhere (NFS), and the writer's excludes it
+                fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
                 return True
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -190,6 +190,15 @@ def _a_full_disk_on_one_rank(rank: int, world_size: int, out_name: str) -> None:
     # A destination refused on one rank (its disk is too small for its share) is refused on every rank, up front.
     with pytest.raises(OSError, match=r"no space left on device: needed ~\d+ MB at .*rank1"):
         save_sharded(final, state if rank == 0 else {"w": torch.empty(2**40, device="meta")}, {})
+    # A user's folder at rank 1's own destination: refused on every rank, before anything is written, and kept.
+    users = out / "rank1" / "users"
+    if rank == 1:
+        users.mkdir()
+        (users / "notes.txt").write_text("mine")
+    dist.barrier()
+    with pytest.raises(FileExistsError, match=r"^(rank 1: )?.*rank1/users is a folder holding files that are not part"):
+        save_sharded(out / f"rank{rank}" / "users", state, {})
+    assert sorted(p.name for p in users.iterdir()) == ["notes.txt"] and not (out / "rank0" / "users").exists()
     # A full save that fails on rank 0 (its disk full mid-write): the same sentence on both ranks.
     _as_launched_rank(rank, world_size)
     loader = DataLoader(torch.randint(0, TINY.vocab_size, (4, TINY.block_size + 1)), batch_size=2)

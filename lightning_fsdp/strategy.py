@@ -51,7 +51,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.averaging.unsupported import refuse_unsharded_averaging
-from lightning_fsdp.checkpoint.atomic import check_destination, remove, tensor_bytes
+from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_rank, remove, tensor_bytes
 from lightning_fsdp.checkpoint.callback_tensors import (
     CALLBACKS,
     callback_tensor_targets,
@@ -62,7 +62,7 @@ from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_check
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.remote import remote_kind, remote_refusal, remove_remote
 from lightning_fsdp.checkpoint.remote_last import resolve_remote_last
-from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded
+from lightning_fsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_fsdp.checkpoint_io import atomic_checkpoint_io
 from lightning_fsdp.compile_support import accept_compiled_modules
 from lightning_fsdp.engine import MixedPrecision, no_sync
@@ -510,9 +510,15 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         refusal = self.broadcast(refusal)
         if refusal is not None:
             raise OSError(errno.ENOSPC, refusal) if refusal.startswith("no space") else FileExistsError(refusal)
+        failure = None
         if self.is_global_zero:
             options = self._storage_options(storage_options) if is_remote(filepath) else storage_options
-            self._atomic_checkpoint_io().save_checkpoint(checkpoint, filepath, options)
+            try:
+                self._atomic_checkpoint_io().save_checkpoint(checkpoint, filepath, options)
+            except BaseException as err:
+                failure = err
+        # rank 0 wrote alone: every rank learns how it went (a URL stays a string: no local disk to have run full)
+        raise_on_every_rank(failure, str(filepath) if is_remote(filepath) else Path(filepath))
 
     def _storage_options(self, given: Any | None) -> dict[str, Any] | None:
         """The strategy's ``storage_options`` with those given to one call on top."""
@@ -527,12 +533,17 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Delete our checkpoint at ``filepath`` (``ModelCheckpoint``'s rotation); at a URL, only our own objects."""
+        """Delete our checkpoint at ``filepath`` (``ModelCheckpoint``'s rotation); at a URL, only our own objects.
+
+        Locally, rank 0 removes a full file and every rank that sees a sharded folder there removes it: ranks that
+        share no disk each published their own (see [Note: ranks that share no disk] in ``checkpoint/atomic.py``)."""
         if self.is_global_zero and is_remote(filepath):
             left = remove_remote(filepath, self.storage_options)
             if left is not None:
                 rank_zero_warn(f"not removing {filepath}: {left}")
-        elif self.is_global_zero:
+        elif is_remote(filepath):
+            return
+        elif self.is_global_zero or (self.state_dict_type == "sharded" and is_sharded_checkpoint(filepath)):
             remove(filepath)
 
     @override

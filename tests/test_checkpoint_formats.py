@@ -189,7 +189,9 @@ def test_replacing_or_removing_a_folder_never_leaves_a_torn_one_under_its_name(
     monkeypatch.setattr(atomic.os, "replace", lambda *args: (real_replace(*args), record()))
     monkeypatch.setattr(atomic.shutil, "rmtree", lambda *args, **kwargs: (record(), real_rmtree(*args, **kwargs)))
     atomic.publish(new, final)
-    assert seen == [["new"]] and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert seen and all(entry == ["new"] for entry in seen), seen
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     seen.clear()
     atomic.remove(final)
-    assert seen == [None, None] and not list(tmp_path.iterdir())  # gone from its name before any file is deleted
+    assert seen and all(entry is None for entry in seen), seen  # gone from its name before any file is deleted
+    assert not list(tmp_path.iterdir())

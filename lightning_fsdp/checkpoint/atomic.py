@@ -2,17 +2,27 @@
 
 Everything is written into a temporary sibling of the target (same directory, so the final ``rename`` stays on one
 file system and is atomic), made durable with ``fsync``, and then renamed into place. A crash at any point leaves
-the previous checkpoint under the final name untouched and, at worst, a ``.partial-<pid>-*`` sibling behind, which
-the next save into the same folder removes once that pid is gone; a failure Python sees (a full disk) removes its
-temporary at once. The temporary names contain neither the checkpoint's name nor ``.ckpt``, so nothing that lists
-checkpoints (``ModelCheckpoint`` resolving ``"last"``, say) ever sees a partial one. Nothing is ever written over a
-path that is not a checkpoint of the same form (see ``destination.py``).
+the previous checkpoint under the final name untouched and, at worst, a ``.partial-<uuid>.tmp`` sibling behind,
+marked by its writers, which the next save into the same folder removes once no writer holds it (see
+``temporaries.py``); a failure Python sees (a full disk) removes its temporary at once. Nothing is ever written over
+a path that is not a checkpoint of the same form (see ``destination.py``).
 
 A file replaces a file in one ``rename``. A folder cannot replace a non-empty folder that way, so on Linux the two
 swap names in one atomic step (``renameat2`` with ``RENAME_EXCHANGE``) and the old one, now under the temporary
 name, is deleted. Elsewhere it takes two renames (old one aside, new one in): a crash between them leaves nothing
-under the final name, with the old checkpoint complete in a ``.partial-old-*`` sibling until the next save.
+under the final name, with the old checkpoint complete in a ``.partial-*`` sibling until the next save.
 Removal renames a folder aside before deleting it, so a crash mid-delete leaves no torn folder under its name.
+
+[Note: ranks that share no disk] A sharded save is written by every rank into the temporary beside *its own*
+destination: the ranks may give different paths (Ray Train gives every worker its own folder) or the same path that
+lies on different disks (nodes without a shared file system). Which ranks share a temporary is found out, not
+assumed: every rank creates the temporary (or finds it there) and drops its writer file, holding the save's token,
+into it; after a barrier each rank looks for the others' files, and the ranks that see each other form one *folder*,
+published by its lowest rank. Every publishing rank checks its own destination and free space first, and any
+refusal refuses on every rank; nothing is published until every rank has written its part, and rank 0's own files
+(DCP's ``.metadata``, ``meta.pt``) are copied into every other folder, so each one says which checkpoint it belongs
+to. A folder that lacks the other folders' shard files is refused at load as incomplete; copying every folder into
+one (as Ray's upload does) gives the complete checkpoint.
 """
 
 from __future__ import annotations
@@ -20,31 +30,42 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import re
 import shutil
 import sys
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from lightning_fsdp.checkpoint.destination import refusal_to_replace
+from lightning_fsdp.checkpoint.temporaries import (
+    claim,
+    delete_temporary,
+    discard,
+    release,
+    remove_stale_temporaries,
+    temporary_sibling,
+    unclaim_all,
+    writer_ranks,
+)
 
-PARTIAL_PREFIX = ".partial-"
-# Our temporaries carry the pid of the process that publishes them, so that only leftovers of dead processes are
-# reaped: a name of this shape whose writer still runs is a save in progress (another job, or a background save).
-_TEMPORARY = re.compile(rf"^{re.escape(PARTIAL_PREFIX)}(\d+)-[0-9a-z-]+\.tmp$")
-
-
-def _sibling(path: Path, tag: str) -> Path:
-    # A suffix, not the checkpoint's name: torch.save names its archive by the stem, and nothing that lists
-    # checkpoints may ever see a partial one.
-    return path.with_name(f"{PARTIAL_PREFIX}{os.getpid()}-{tag}.tmp")
+__all__ = [
+    "atomic_directory",
+    "check_destination",
+    "out_of_space",
+    "publish",
+    "raise_on_every_rank",
+    "remove",
+    "remove_stale_temporaries",
+    "tensor_bytes",
+    "write_file_atomically",
+]
 
 
 def _fsync_tree(path: Path) -> None:
@@ -61,27 +82,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_temporaries(path: Path) -> None:
-    """Delete what interrupted saves into ``path``'s folder left behind: our temporaries whose writer is dead."""
-    for stale in path.parent.glob(f"{PARTIAL_PREFIX}*"):
-        found = _TEMPORARY.match(stale.name)
-        if found is None or _is_alive(int(found.group(1))):
-            continue
-        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() and not stale.is_symlink() else stale.unlink(
-            missing_ok=True
-        )
 
 
 def tensor_bytes(state: Any) -> int:
@@ -127,17 +127,16 @@ def _megabytes(nbytes: int) -> str:
 
 
 def out_of_space(err: BaseException, final: Path, expected_bytes: int) -> OSError | None:
-    """``err`` as one clear ``OSError(ENOSPC)`` if the disk ran full under it, else None.
+    """``err`` as one clear ``OSError(ENOSPC)`` if the disk under ``final`` ran full under it, else None.
 
-    torch.save reports a full disk as ``RuntimeError: ... unexpected pos``, DCP as a ``CheckpointException`` that
-    holds each rank's error as text; the free space left on the device decides when the error itself does not say.
+    torch.save reports a full disk as ``RuntimeError: ... unexpected pos``, DCP as a ``CheckpointException`` (a
+    ``BaseException``) holding every rank's error: this rank's entry is looked into (another rank's full disk is its
+    own to report, see ``atomic_directory``). The free space left on the device decides when the error does not say.
     """
-    chain, cause = [], err
-    while cause is not None and len(chain) < 8:
-        chain.append(cause)
-        cause = cause.__cause__ or cause.__context__
-    said = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain) or any(
-        "No space left on device" in str(e) for e in chain
+    if not isinstance(err, (Exception, CheckpointException)):
+        return None  # KeyboardInterrupt, SystemExit: not a write that failed
+    said = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in _causes(err)) or any(
+        "No space left on device" in str(e) for e in _causes(err)
     )
     free = shutil.disk_usage(_existing_ancestor(final.parent)).free
     if not said and free >= max(expected_bytes, 1) // 16 + 2**20:
@@ -145,17 +144,34 @@ def out_of_space(err: BaseException, final: Path, expected_bytes: int) -> OSErro
     return OSError(errno.ENOSPC, _out_of_space_message(final, expected_bytes, free))
 
 
+def _causes(err: BaseException) -> list[BaseException]:
+    """``err`` and what caused it; in place of a ``CheckpointException`` (whose text holds every rank's errors) this
+    rank's own error in it and its causes."""
+    chain: list[BaseException] = []
+    pending = [err]
+    while pending and len(chain) < 16:
+        cause = pending.pop()
+        if isinstance(cause, CheckpointException):
+            own = cause.failures.get(dist.get_rank() if dist.is_initialized() else 0)
+            pending += [own[0]] if own is not None else []
+            continue
+        chain.append(cause)
+        following = cause.__cause__ or cause.__context__
+        pending += [following] if following is not None else []
+    return chain
+
+
 def publish(tmp: Path, final: Path) -> None:
     """Move a complete ``tmp`` (file or folder) to ``final``, replacing what was there, atomically."""
     _fsync_tree(tmp)
     if final.is_dir() and not final.is_symlink():
         if _exchange(tmp, final):  # now ``final`` is the new folder and ``tmp`` the old one
-            shutil.rmtree(tmp, ignore_errors=True)
+            discard(tmp)
         else:
-            aside = _sibling(final, "old-" + uuid.uuid4().hex)
+            aside = temporary_sibling(final)
             os.replace(final, aside)
             os.replace(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
+            discard(aside)
     else:
         os.replace(tmp, final)
     _fsync_dir(final.parent)
@@ -181,14 +197,26 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def remove(path: str | os.PathLike) -> None:
-    """Delete a checkpoint file or folder (a link: only the link); a folder leaves its name in one step first."""
+    """Delete a checkpoint file or folder (a link: only the link); a folder leaves its name in one step first.
+
+    Ranks that share the folder may all call this at once: the first rename wins, the others find nothing to do.
+    """
     path = Path(path)
     if path.is_dir() and not path.is_symlink():
-        aside = _sibling(path, "removed-" + uuid.uuid4().hex)
-        os.replace(path, aside)
-        shutil.rmtree(aside, ignore_errors=True)
+        aside = temporary_sibling(path)
+        try:
+            os.replace(path, aside)
+        except FileNotFoundError:
+            return
+        discard(aside)
     else:
         path.unlink(missing_ok=True)
+
+
+def _raise_refusal(refusal: str, whose: str = "") -> None:
+    """``refusal`` as the error it stands for; ``whose``: the rank it came from, when not this one."""
+    said = f"{whose}{refusal}"
+    raise OSError(errno.ENOSPC, said) if refusal.startswith("no space") else FileExistsError(said)
 
 
 def write_file_atomically(
@@ -197,82 +225,252 @@ def write_file_atomically(
     """Call ``write(tmp_path)`` and move the result to ``final`` (one process).
 
     Refused before anything is written when ``final`` is not a ``form`` checkpoint we may replace, or the disk has
-    less than ``expected_bytes`` free; a write that fails (a full disk, say) leaves no temporary behind.
+    less than ``expected_bytes`` free; a write that fails (a full disk, say) leaves no temporary behind. The file is
+    written inside a marked temporary folder (so a killed write is recognised as ours) and renamed out of it.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     refusal = check_destination(final, form, expected_bytes)
     if refusal is not None:
-        raise (OSError(errno.ENOSPC, refusal) if refusal.startswith("no space") else FileExistsError(refusal))
+        _raise_refusal(refusal)
     remove_stale_temporaries(final)
-    tmp = _sibling(final, uuid.uuid4().hex)
+    folder = temporary_sibling(final)
+    folder.mkdir()
+    writer = None
     try:
+        writer = claim(folder)
+        tmp = folder / "partial"
         write(tmp)
         publish(tmp, final)
     except BaseException as err:
-        full = out_of_space(err, final, expected_bytes) if isinstance(err, Exception) else None
+        full = out_of_space(err, final, expected_bytes)
         if full is not None:
             raise full from err
         raise
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        delete_temporary(folder)
+        release(writer)
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    """The process group an ``atomic_directory`` spans (one process when not collective)."""
+
+    distributed: bool
+    rank: int
+    world_size: int
+
+    @classmethod
+    def of(cls, collective: bool) -> _Ranks:
+        if collective and dist.is_available() and dist.is_initialized():
+            return cls(True, dist.get_rank(), dist.get_world_size())
+        return cls(False, 0, 1)
+
+    def gather(self, value: Any) -> list[Any]:
+        if not self.distributed:
+            return [value]
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, value)
+        return everyone
+
+    def broadcast(self, value: Any) -> Any:
+        if not self.distributed:
+            return value
+        holder = [value]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """How one rank's part of a save went, in a form every rank can read: ``full`` is an out-of-space sentence."""
+
+    rank: int
+    full: str | None
+    error: str
+
+
+def _verdict(failure: BaseException | None, rank: int, final: Path | str, folder_bytes: int) -> _Verdict | None:
+    if failure is None:
+        return None
+    if isinstance(failure, OSError) and failure.errno == errno.ENOSPC and "no space left" in str(failure.strerror):
+        full: str | None = failure.strerror  # ours already (a refusal, or a write we translated)
+    elif not isinstance(final, Path):  # a URL: no local disk to have run full
+        full = None
+    else:
+        translated = out_of_space(failure, final, folder_bytes)
+        full = None if translated is None else translated.strerror
+    return _Verdict(rank, full, f"{type(failure).__name__}: {failure}")
+
+
+def _raise_agreed(verdicts: Sequence[_Verdict | None], rank: int, failure: BaseException | None, final: Path) -> None:
+    """Raise on every rank if any rank failed: the out-of-space sentence wherever a disk ran full (this rank's own,
+    else the first one's), else this rank's own error, else a sentence naming the rank that failed."""
+    failed = [verdict for verdict in verdicts if verdict is not None]
+    if not failed:
+        return
+    full = [verdict.full for verdict in failed if verdict.full is not None]
+    if full:
+        mine = verdicts[rank]
+        raise OSError(errno.ENOSPC, mine.full if mine is not None and mine.full else full[0]) from failure
+    if failure is not None:
+        raise failure
+    first = failed[0]
+    raise RuntimeError(f"the save to {final} failed on rank {first.rank} ({first.error}); nothing was saved.")
+
+
+def _publish_owned(tmp: Path, final: Path) -> None:
+    """Publish a folder this rank owns, without the writer files (its writers' handles keep their locks till done)."""
+    unclaim_all(tmp)
+    publish(tmp, final)
+
+
+def _attempt(step: Callable[[], None]) -> BaseException | None:
+    try:
+        step()
+    except BaseException as err:
+        return err
+    return None
+
+
+def _agree(ranks: _Ranks, failure: BaseException | None, final: Path, folder_bytes: int) -> None:
+    """Every rank learns how every rank's step went (a collective); all raise if any failed (see ``_raise_agreed``)."""
+    _raise_agreed(ranks.gather(_verdict(failure, ranks.rank, final, folder_bytes)), ranks.rank, failure, final)
+
+
+def _raise_first_refusal(refusals: Sequence[str | None], rank: int) -> None:
+    """This rank's own refusal, else the first other rank's, named: every rank refuses the same save."""
+    if refusals[rank] is not None:
+        _raise_refusal(refusals[rank])
+    for other, refusal in enumerate(refusals):
+        if refusal is not None:
+            _raise_refusal(refusal, whose=f"rank {other}: ")
+
+
+@dataclass(frozen=True)
+class _Folder:
+    """The temporary one rank writes into, as that rank sees it: the lowest rank that shares it (who publishes it)
+    and how many ranks share it. Listing names is enough: the temporary's name is new to this save."""
+
+    owner: int
+    size: int
+
+    @classmethod
+    def seen_in(cls, tmp: Path) -> _Folder:
+        ranks = writer_ranks(tmp)
+        return cls(min(ranks), len(ranks))
+
+
+def _check_folders(folders: Sequence[_Folder], final: Path) -> None:
+    """Every rank must see the same ranks as those that see it; anything else is a file system we cannot publish
+    on (one that shows new files late), refused on every rank before a byte is written."""
+    for rank, folder in enumerate(folders):
+        sharing = [other for other, seen in enumerate(folders) if seen.owner == folder.owner]
+        if folders[folder.owner] != folder or len(sharing) != folder.size:
+            raise RuntimeError(
+                f"the ranks saving to {final} disagree about which of them share a folder (rank {rank} sees "
+                f"{folder.size} rank(s) from rank {folder.owner} up, rank {folder.owner} sees "
+                f"{folders[folder.owner].size}): a file system that shows new files late? Save to a path every rank "
+                "sees the same way."
+            )
+
+
+def _copy_rank0_files(tmp: Path, ranks: _Ranks, owner: int, names: Sequence[str]) -> None:
+    """Give every folder rank 0's own files (a collective, run only when there is more than one folder).
+
+    Every rank takes part in the broadcast even when rank 0 cannot read its files (it then sends nothing and raises).
+    """
+    files, failure = {}, None
+    if ranks.rank == 0:
+        try:
+            files = {name: (tmp / name).read_bytes() for name in names if (tmp / name).is_file()}
+        except OSError as err:
+            failure = err
+    files = ranks.broadcast(files)
+    if failure is not None:
+        raise failure
+    if owner != ranks.rank or ranks.rank == 0:
+        return  # not publishing, or rank 0's own folder
+    for name, content in files.items():
+        with open(tmp / name, "wb") as handle:
+            handle.write(content)
+            os.fsync(handle.fileno())
 
 
 @contextmanager
 def atomic_directory(
-    final: str | os.PathLike, expected_bytes: int = 0, form: str = "sharded", collective: bool = True
+    final: str | os.PathLike,
+    expected_bytes: int = 0,
+    form: str = "sharded",
+    collective: bool = True,
+    rank0_files: Sequence[str] = (),
 ) -> Iterator[Path]:
-    """Yield a temporary folder every rank writes into; rank 0 publishes it as ``final`` once all are done.
+    """Yield a temporary folder beside this rank's ``final``; every folder is published once all ranks are done.
 
-    A collective: every rank enters and leaves it. Rank 0 checks the destination first (see ``destination.py``; a
-    folder ``form``, "sharded" or "hf") and
-    every rank raises its refusal before anything is written. If any rank fails inside, every rank raises and the
-    temporary is removed: nothing is published and nothing is left behind. ``expected_bytes`` is this rank's share.
+    A collective: every rank enters and leaves it, each with its own ``final`` (the same path on a shared disk, or
+    each its own; see [Note: ranks that share no disk]). Every rank checks its own destination first (see
+    ``destination.py``; a folder ``form``, "sharded" or "hf") and every rank raises any rank's refusal before
+    anything is written. If any rank fails inside, every rank raises (a full disk anywhere as the "no space left"
+    sentence) and the temporaries are removed: nothing is published and nothing is left behind. ``expected_bytes``
+    is this rank's share. ``rank0_files``: names of files rank 0 writes that every published folder receives.
     ``collective=False``: one process writes the folder alone, whether or not it belongs to a process group.
     """
     final = Path(final)
-    distributed = collective and dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
-    world_size = dist.get_world_size() if distributed else 1
-    decision = [None, None]
-    if rank == 0:
-        refusal = check_destination(final, form, expected_bytes * world_size)
-        decision = [_sibling(final, uuid.uuid4().hex).name, refusal]
-    if distributed:
-        dist.broadcast_object_list(decision, src=0)
-    name, refusal = decision
-    if refusal is not None:
-        raise OSError(errno.ENOSPC, refusal) if refusal.startswith("no space") else FileExistsError(refusal)
-    tmp = final.with_name(name)
-    if rank == 0:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(final)
-        tmp.mkdir()
-    if distributed:
-        dist.barrier()
-    failure: BaseException | None = None
+    ranks = _Ranks.of(collective)
+    _raise_first_refusal(ranks.gather(check_destination(final, form, expected_bytes)), ranks.rank)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(ranks.broadcast(temporary_sibling(final).name))
+    writer = failure = None
     try:
-        yield tmp
-    except BaseException as err:
+        tmp.mkdir(exist_ok=True)
+        writer = claim(tmp, ranks.rank, token=tmp.name)
+    except OSError as err:
         failure = err
-    failed = [failure is not None]
-    if distributed:  # instead of a barrier: every rank learns whether any rank failed to write its part
-        everyone: list[list[bool] | None] = [None] * world_size
-        dist.all_gather_object(everyone, failed)
-        failed = [any(flag[0] for flag in everyone if flag is not None)]
-    if failed[0]:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if failure is None:
-            raise RuntimeError(
-                f"the sharded save to {final} failed on another rank (see its error); nothing was saved."
-            )
-        full = out_of_space(failure, final, expected_bytes * world_size) if isinstance(failure, Exception) else None
-        if full is not None:
-            raise full from failure
+    try:
+        ranks.barrier()  # every writer file is in place
+        seen = _Folder.seen_in(tmp) if failure is None else None
+        found = ranks.gather((_verdict(failure, ranks.rank, final, expected_bytes), seen))
+        _raise_agreed([verdict for verdict, _ in found], ranks.rank, failure, final)
+        folders = [folder for _, folder in found]
+        _check_folders(folders, final)
+        owner = folders[ranks.rank].owner
+        folder_bytes = expected_bytes * folders[ranks.rank].size
+        if owner == ranks.rank:
+            remove_stale_temporaries(final)  # ours is held by its writers, so it stays
+        _raise_first_refusal(
+            ranks.gather(check_destination(final, form, folder_bytes) if owner == ranks.rank else None), ranks.rank
+        )
+        try:
+            yield tmp
+        except BaseException as err:
+            failure = err
+        _agree(ranks, failure, final, folder_bytes)
+        if any(folder.owner != 0 for folder in folders):
+            _agree(ranks, _attempt(lambda: _copy_rank0_files(tmp, ranks, owner, rank0_files)), final, folder_bytes)
+        _agree(
+            ranks, _attempt(lambda: _publish_owned(tmp, final) if owner == ranks.rank else None), final, folder_bytes
+        )
+    finally:
+        delete_temporary(tmp)
+        release(writer)
+
+
+def raise_on_every_rank(failure: BaseException | None, final: Path | str) -> None:
+    """After a write only rank 0 did (a collective): every rank raises if rank 0's write failed, or none does.
+
+    Rank 0 raises its own error; the others raise the same out-of-space sentence (``OSError(ENOSPC)``), or a sentence
+    that names rank 0's error -- instead of waiting for rank 0 in the next collective.
+    """
+    ranks = _Ranks.of(collective=True)
+    verdict = ranks.broadcast(_verdict(failure, 0, final, 0) if ranks.rank == 0 else None)
+    if verdict is None:
+        return
+    if failure is not None:
         raise failure
-    if rank == 0:
-        publish(tmp, final)
-    if distributed:
-        dist.barrier()  # nobody reads the checkpoint before it is in place
+    if verdict.full is not None:
+        raise OSError(errno.ENOSPC, verdict.full)
+    raise RuntimeError(f"the save to {final} failed on rank 0 ({verdict.error}); nothing was saved.")

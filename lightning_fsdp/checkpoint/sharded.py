@@ -70,12 +70,15 @@ def save_sharded(
 ) -> None:
     """Write the folder atomically: ``state`` (see ``sharded_checkpoint_state``) in DCP format, ``meta.pt``.
 
-    At an fsspec URL every rank writes straight to the store, the completion mark last (see ``remote.py``).
+    ``path`` is this rank's own: ranks that share no disk each publish their shards into theirs, with rank 0's
+    ``.metadata`` and ``meta.pt`` copied beside them (see [Note: ranks that share no disk] in ``atomic.py``). At an
+    fsspec URL every rank writes straight to the store, the completion mark last (see ``remote.py``).
     """
     if is_remote(path):
         save_sharded_remote(path, state, meta, storage_options)
         return
-    with atomic_directory(path, expected_bytes=tensor_bytes(state)) as tmp:
+    rank0_files = (DCP_METADATA_FILE, META_FILE)
+    with atomic_directory(path, expected_bytes=tensor_bytes(state), rank0_files=rank0_files) as tmp:
         dcp.save(state, checkpoint_id=tmp)
         if not dist.is_initialized() or dist.get_rank() == 0:
             torch.save(meta, tmp / META_FILE)

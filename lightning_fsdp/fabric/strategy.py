@@ -49,7 +49,7 @@ from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
-from lightning_fsdp.checkpoint.atomic import check_destination
+from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_rank
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.remote import remote_refusal
 from lightning_fsdp.engine import MixedPrecision, clip_grad_norm_, clip_grad_value_, no_sync
@@ -419,11 +419,9 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         except Exception as err:
             failure = err
         # Rank 0 alone writes: the others learn whether it failed instead of waiting for it in the next barrier.
-        failed_on_rank0 = self.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
+        raise_on_every_rank(failure if self.is_global_zero else None, path)
         if failure is not None:
             raise failure
-        if failed_on_rank0 is not None:
-            raise RuntimeError(f"the full save to {path} failed on rank 0 ({failed_on_rank0}); nothing was saved.")
 
     @override
     def load_checkpoint(

@@ -16,6 +16,7 @@ from lightning_fsdp.engine import hooks
 from lightning_fsdp.engine.deferred_init import ParamInitFn, check_initializable, has_meta_tensors, materialize
 from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, check_same_structure, values_differ
 from lightning_fsdp.engine.groups import Groups, resolve_groups
+from lightning_fsdp.engine.load_hooks import install_load_hooks
 from lightning_fsdp.engine.optimizer_guard import record_replaced
 from lightning_fsdp.engine.options import BackwardPrefetch, MixedPrecision, ShardingOptions, ShardingStrategy
 from lightning_fsdp.engine.ownership import OwnedParam, assign_params
@@ -136,6 +137,7 @@ def fully_shard(
     for unit in existing_units:
         unit.leave_root()  # the new root claims them at its first forward
     _mark_fsdp_managed(module)
+    install_load_hooks(module)  # module.load_state_dict takes full state dicts: see load_hooks.py
     return module
 
 

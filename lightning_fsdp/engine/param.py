@@ -80,8 +80,10 @@ class ShardLayout:
         return slice(self.start, self.start + self.local_rows)
 
     def local_rows_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a tensor of the parameter's full shape, as a (local_rows, row_numel) view."""
-        return full.reshape(self.rows, self.row_numel)[self.row_range]
+        """This rank's rows of a tensor of the parameter's full shape, as a (local_rows, row_numel) view.
+
+        ``torch.reshape`` rather than the method: a tensor-like (Lightning's ``lazy_load`` of a file) is read here."""
+        return torch.reshape(full, (self.rows, self.row_numel))[self.row_range]
 
     def unpad(self, by_rank: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """Every rank's padded shard (world_size, shard_numel) as the full tensor."""

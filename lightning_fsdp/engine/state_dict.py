@@ -10,7 +10,9 @@
 
 Loading a full state dict: every rank copies its own rows out of it; read the file with ``torch.load(mmap=True)``
 and no rank materialises more than the one tensor it is slicing. Everything is keyed by the names
-``module.state_dict()`` uses; a checkpoint for another model is refused before anything is changed.
+``module.state_dict()`` uses; a checkpoint for another model is refused before anything is changed. The sharded
+module's own ``load_state_dict`` takes a full state dict the same way, through the modules' own loading code and
+hooks (see [Note: loading through the modules' own hooks] in ``load_hooks.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, Ten
     never from the forward's unsharded tensors, which mixed precision keeps in ``param_dtype``: a checkpoint holds
     exactly the values training will continue from. A collective: call it on every rank.
     """
-    _check_idle(module, "full_state_dict")
+    check_idle(module, "full_state_dict")
     keep = not rank0_only or dist.get_rank() == 0
     gathered: dict[int, Tensor] = {}
     with torch.no_grad():
@@ -56,7 +58,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, Ten
 def sharded_state_dict(module: nn.Module) -> dict[str, Tensor]:
     """``module.state_dict()`` with every shard as a DTensor aliasing it; loading into it loads into the model, but
     for 0-dim parameters, whose entries are copies: pass the loaded dict to ``write_back_scalars``."""
-    _check_idle(module, "sharded_state_dict")
+    check_idle(module, "sharded_state_dict")
     return {name: as_dtensor(value) for name, value in module.state_dict(keep_vars=True).items()}
 
 
@@ -145,19 +147,24 @@ def _mesh_of(fsdp_param: FSDPParam) -> tuple[DeviceMesh, list]:
 
 def load_full_state_dict(module: nn.Module, state: Mapping[str, Tensor], strict: bool = True) -> None:
     """Load full tensors into the sharded module: every rank copies its own rows (shapes checked first)."""
-    _check_idle(module, "load_full_state_dict")
+    check_idle(module, "load_full_state_dict")
     targets = module.state_dict(keep_vars=True)
     check_keys_and_shapes(targets, state, strict, full_shapes=True)
     with torch.no_grad():
         for name, target in targets.items():
             if name not in state:
                 continue
-            source = state[name]
-            fsdp_param = fsdp_param_of(target)
-            if fsdp_param is None:
-                target.copy_(source)
-                continue
-            target.copy_(fsdp_param.layout.local_rows_of(source).reshape(target.shape))
+            copy_full_value(target, state[name])
+
+
+def copy_full_value(target: Tensor, value: Tensor) -> None:
+    """Copy ``value`` into a registered tensor: this rank's rows of it into a shard when it has the parameter's full
+    shape, as it is otherwise (a buffer, a parameter kept whole, a shard's own rows). Shapes are the caller's check."""
+    fsdp_param = fsdp_param_of(target)
+    if fsdp_param is None or tuple(value.shape) != tuple(fsdp_param.shape):
+        target.copy_(value)
+        return
+    target.copy_(fsdp_param.layout.local_rows_of(value).reshape(target.shape))
 
 
 def check_keys_and_shapes(
@@ -184,7 +191,8 @@ def check_keys_and_shapes(
         )
 
 
-def _check_idle(module: nn.Module, what: str) -> None:
+def check_idle(module: nn.Module, what: str) -> None:
+    """Refuse ``what`` while a unit under ``module`` is inside its forward or backward (parameters gathered)."""
     busy = [u for u in units_under(module) if u.training_state is not TrainingState.IDLE]
     if busy:
         raise RuntimeError(f"{what} was called during forward or backward; call it between training steps.")

@@ -50,9 +50,7 @@ from lightning_fsdp.checkpoint.safe_load import load_torch_file
 from lightning_fsdp.checkpoint.sharded import META_FILE, is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_fsdp.engine.registry import unit_of
 from lightning_fsdp.engine.state_dict import (
-    check_keys_and_shapes,
     full_state_dict,
-    load_full_state_dict,
     sharded_optimizer_state_dict,
     sharded_state_dict,
 )
@@ -173,10 +171,10 @@ def restore_metadata(remainder: dict[str, Any], parts: FabricState, state: dict[
 
 
 def load_raw_module(path: Path, module: nn.Module, strict: bool, trust: bool, opt_in: str) -> None:
-    """A plain ``module.state_dict()`` file into the sharded ``module``, every rank taking its rows."""
-    state = _raw_file(path, trust, opt_in)
-    check_keys_and_shapes(module.state_dict(keep_vars=True), state, strict, full_shapes=True)
-    load_full_state_dict(module, state, strict=strict)
+    """A plain ``module.state_dict()`` file into the sharded ``module`` through ``module.load_state_dict``, as ddp
+    loads it: the modules' own ``_load_from_state_dict`` (renamed keys) and load hooks run, every rank keeps its rows
+    (see [Note: loading through the modules' own hooks] in ``engine/load_hooks.py``)."""
+    module.load_state_dict(_raw_file(path, trust, opt_in), strict=strict)
 
 
 def load_raw_optimizer(path: Path, module: nn.Module, optimizer: Optimizer, trust: bool, opt_in: str) -> None:

@@ -46,7 +46,10 @@ def _pretrain(base: Path, out: Path, *extra: str) -> list[str]:
 
 
 def _finetune(command: str, base: Path, out: Path, *extra: str) -> list[str]:
-    return [command, str(base), "--out_dir", str(out), "--data.json_path", str(base / "data.json"), *FINETUNE, *extra]
+    argv = [command, str(base), "--out_dir", str(out), *FINETUNE, "--data.json_path", str(base / "data.json")]
+    if command == "finetune_lora_legacy":
+        argv += ["--lora_r", "2", "--lora_alpha", "4", "--lora_dropout", "0"]
+    return argv + list(extra)
 
 
 def _model(path: Path) -> dict[str, torch.Tensor]:

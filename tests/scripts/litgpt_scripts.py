@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import sys
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -49,12 +50,21 @@ SCRIPTS = {
 }
 
 
+class InitialisingDDPStrategy(DDPStrategy):
+    """Lightning's DDP, building every model for real: under ``empty_init=True`` plain DDP leaves the weights as
+    uninitialised memory (LitGPT's LoRA script asks for it on more than one device, where it expects FSDP to
+    initialise them as it materialises the model), so the control initialises them as an eager build does."""
+
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        return super().module_init_context(empty_init=False)
+
+
 class DDPInPlaceOfFSDP:
-    """The control: what the script builds as its FSDPStrategy is Lightning's DDP, and nothing is an instance of
-    this class, so the script's ``isinstance(strategy, FSDPStrategy)`` branches take their non-FSDP side."""
+    """The control: what the script builds as its FSDPStrategy is DDP, and nothing is an instance of this class, so
+    the script's ``isinstance(strategy, FSDPStrategy)`` branches take their non-FSDP side."""
 
     def __new__(cls, **kwargs: object) -> DDPStrategy:
-        return DDPStrategy()
+        return InitialisingDDPStrategy()
 
 
 class RandomTokens(Dataset):

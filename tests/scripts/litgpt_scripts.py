@@ -4,7 +4,7 @@ A LitGPT user swaps Lightning's ``FSDPStrategy`` for ours by name: the scripts t
 ``FSDPStrategy(...)`` themselves whenever more than one device is asked for. :func:`run_litgpt` does that swap in the
 script's module and then runs the command line (``litgpt pretrain ...``) through LitGPT's own entry point, so that
 what the scripts record from ``sys.argv`` (``hyperparameters.yaml``, which ``merge_lora`` reads) is what a user gets.
-The control swaps in Lightning's DDP instead (:class:`DDPInPlaceOfFSDP`).
+The control swaps in Lightning's DDP instead (``STRATEGIES``).
 """
 
 from __future__ import annotations
@@ -51,20 +51,24 @@ SCRIPTS = {
 
 
 class InitialisingDDPStrategy(DDPStrategy):
-    """Lightning's DDP, building every model for real: under ``empty_init=True`` plain DDP leaves the weights as
-    uninitialised memory (LitGPT's LoRA script asks for it on more than one device, where it expects FSDP to
-    initialise them as it materialises the model), so the control initialises them as an eager build does."""
+    """Lightning's DDP, building every model for real. Under ``empty_init=True`` plain DDP leaves the weights as
+    uninitialised memory: ``pretrain`` then initialises every parameter itself (its non-FSDP branch), but the LoRA
+    script, which asks for ``empty_init`` on more than one device, expects FSDP to initialise its adapters as the
+    model materialises; this control initialises them as the eager build does."""
 
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         return super().module_init_context(empty_init=False)
 
 
-class DDPInPlaceOfFSDP:
-    """The control: what the script builds as its FSDPStrategy is DDP, and nothing is an instance of this class, so
-    the script's ``isinstance(strategy, FSDPStrategy)`` branches take their non-FSDP side."""
+def _in_place_of_fsdp(strategy: type[DDPStrategy]) -> type:
+    class DDPInPlaceOfFSDP:
+        """What the script builds as its FSDPStrategy is DDP, and nothing is an instance of this class, so the
+        script's ``isinstance(strategy, FSDPStrategy)`` branches take their non-FSDP side."""
 
-    def __new__(cls, **kwargs: object) -> DDPStrategy:
-        return InitialisingDDPStrategy()
+        def __new__(cls, **kwargs: object) -> DDPStrategy:
+            return strategy()
+
+    return DDPInPlaceOfFSDP
 
 
 class RandomTokens(Dataset):
@@ -103,7 +107,8 @@ class TrustingFSDPStrategy(lightning_fsdp.FabricFSDPStrategy):
 STRATEGIES = {
     "ours": lightning_fsdp.FabricFSDPStrategy,
     "ours, trusting": TrustingFSDPStrategy,
-    "ddp": DDPInPlaceOfFSDP,
+    "ddp": _in_place_of_fsdp(DDPStrategy),
+    "ddp, initialising": _in_place_of_fsdp(InitialisingDDPStrategy),
 }
 
 

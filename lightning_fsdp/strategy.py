@@ -115,15 +115,16 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         forward_prefetch: gather the next unit in forward order ahead of time.
         limit_all_gathers: at most two units gathered ahead of their use.
         sync_module_states: broadcast rank 0's parameters and buffers at setup.
-        param_init_fn: initializes a module materialized from the meta device, instead of its
-            ``reset_parameters()``.
+        param_init_fn: initializes a module materialized from the meta device, instead of replaying the
+            recorded build (or, where that cannot be replayed, its ``reset_parameters()``).
         process_group: the ranks to shard over (torch's keyword); the whole world by default.
         ignored_modules, ignored_states: modules (and, in ``ignored_states``, parameters) left whole on every rank,
             their gradients not reduced, as with torch's FSDP.
         use_orig_params: accepted for Lightning configs; our parameters always keep their names and identity.
         device_id: accepted when it names this rank's own device (where the strategy shards anyway).
         empty_init: build ``configure_model``'s modules on the meta device, materialized unit by unit in setup
-            (lowest peak memory; initialization by ``reset_parameters()`` or ``param_init_fn``). By default
+            (lowest peak memory; the init ``__init__`` ran is recorded and replayed, so a seeded build gets the
+            eager values; ``param_init_fn`` or ``reset_parameters()`` where it cannot be). By default
             ``configure_model`` runs on the real device, as in Lightning.
         sync_grads_each_micro_batch: with ``accumulate_grad_batches > 1``, reduce-scatter every micro-batch's
             gradients (the default: memory stays sharded) or, when False, keep the full unreduced gradients until the

@@ -6,12 +6,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_fsdp import fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
+from lightning_fsdp.engine.deferred_init import track_meta_build
 from lightning_fsdp.engine.registry import fsdp_param_of
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT
+from tests.init_models import NanoBlock, NanoGPT
 
 DEEP = GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=2, n_embd=64)
 
@@ -75,6 +78,44 @@ def _check_peak_is_one_unit(rank: int, world_size: int) -> None:
     assert model_bytes >= 4 * peak, f"the model ({model_bytes} B) is not several units; the check says nothing"
 
 
+class _FullBytesAlive(TorchDispatchMode):
+    """After every op: the bytes of the model's materialised full-size parameters (shards and meta excluded)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.samples: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        out = func(*args, **(kwargs or {}))
+        full = {id(p): p for p in self.model.parameters() if not p.is_meta and fsdp_param_of(p) is None}
+        self.samples.append(sum(p.numel() * p.element_size() for p in full.values()))
+        return out
+
+
+def _check_replayed_init_sharded(rank: int, world_size: int) -> None:
+    """nanoGPT's init (one apply() sweep, then every block's projections re-drawn by name at the very end) replayed
+    unit by unit: the eager values on every rank, while the full tensors alive stay about one block plus the root."""
+    torch.manual_seed(0)
+    eager = NanoGPT(depth=8)
+    with torch.device("meta"), track_meta_build():
+        model = NanoGPT(depth=8)
+    torch.manual_seed(0)
+    with _FullBytesAlive(model) as alive:
+        fully_shard(model, {NanoBlock})
+    state = _full_state(model)
+    for name, param in eager.named_parameters():
+        assert torch.equal(state[name], param.detach()), f"{name} differs from the eager model"
+    for name, buffer in eager.named_buffers():
+        assert torch.equal(dict(model.named_buffers())[name], buffer), f"buffer {name} differs from the eager model"
+    _assert_same_on_every_rank(state, world_size)
+    block_bytes = sum(p.numel() * 4 for p in eager.blocks[0].parameters())
+    root_bytes = sum(p.numel() * 4 for n, p in eager.named_parameters() if not n.startswith("blocks."))
+    peak = max(alive.samples)
+    assert peak <= block_bytes + root_bytes, f"peak {peak} B > one block {block_bytes} B + root {root_bytes} B"
+    assert sum(p.numel() * 4 for p in eager.parameters()) >= 4 * peak, "the model is not several units"
+
+
 class Raw(nn.Module):
     """A module with a parameter of its own and no reset_parameters."""
 
@@ -103,6 +144,10 @@ def test_meta_init_equals_eager_on_every_rank_and_syncs_rank_zero() -> None:
 
 def test_deferred_init_peaks_at_one_unit_plus_shards() -> None:
     run_distributed(_check_peak_is_one_unit, 2)
+
+
+def test_replayed_init_equals_eager_on_every_rank_and_peaks_at_one_unit_plus_shards() -> None:
+    run_distributed(_check_replayed_init_sharded, 2)
 
 
 def test_module_without_initializer_is_named_before_anything_is_materialised() -> None:

@@ -1,19 +1,27 @@
 """Deferred initialisation: materialise a model built on the meta device module by module, in module order.
 
-Each module with parameters or buffers of its own on the meta device gets real (uninitialised) tensors on the
-target device and is then initialised by the user's ``param_init_fn(module)`` or its own ``reset_parameters()``,
-which must touch only the module's own tensors -- as torch's built-in modules do. Module (pre-)order is the order
-an eager ``__init__`` creates and initialises them in, so a seeded meta build gets exactly the eager values.
+Each module with parameters or buffers of its own on the meta device gets real tensors on the target device, which
+are then initialised in one of two ways. A model built under :func:`track_meta_build` (the strategies' empty init)
+gets the init program its ``__init__`` ran replayed (see [Note: replaying the eager build's init] in
+``init_program.py``): a seeded meta build then gets exactly the eager build's values and leaves the random stream
+where the eager build left it, whatever order ``__init__`` initialises in -- a parent initialising its own
+parameters after its child's (LitGPT's ``LoRALinear``), one ``self.apply(self._init_weights)`` sweep at the end
+(GPT-2), a buffer computed from ``torch.arange`` (rotary ``inv_freq``). Otherwise -- a ``param_init_fn`` given, a
+model put on the meta device by hand, or a program that cannot be replayed (the reason is logged) -- each module is
+initialised by ``param_init_fn(module)`` or its own ``reset_parameters()``, which must touch only the module's own
+tensors, as torch's built-in modules do; that gives the eager values only when module (pre-)order is the order the
+eager ``__init__`` initialised them in (a parent's own parameters are initialised before its children's).
 Whenever a unit's last parameter is ready the caller shards it, so the full tensors alive at any moment are one
 unit's plus whatever its ancestors have materialised so far -- not the whole model.
 
 A parameter shared by several modules (weight tying) is materialised once and set on every owner, so the tie
-survives. It takes the init an eager build gives it: that of the module that created it (``lm_head`` in
-``wte.weight = lm_head.weight``), not of whichever owner comes first in module order. :func:`track_meta_build`
-records each meta parameter's creator (its first registration) while a model is built; every other owner still
-runs its initialiser, on a scratch tensor, so the random stream advances exactly as in the eager build, where each
-module initialised its own tensor before the tie replaced it. Without a record (a model built on the meta device
-outside that context) the first owner in module order initialises it.
+survives. Replayed, it gets what the eager build's ops on it left. Otherwise it takes the init an eager build gives
+it: that of the module that created it (``lm_head`` in ``wte.weight = lm_head.weight``), not of whichever owner
+comes first in module order. :func:`track_meta_build` records each meta parameter's creator (its first
+registration) while a model is built; every other owner still runs its initialiser, on a scratch tensor, so the
+random stream advances exactly as in the eager build, where each module initialised its own tensor before the tie
+replaced it. Without a record (a model built on the meta device outside that context) the first owner in module
+order initialises it.
 
 [Note: tensors no initialiser wrote] Materialising a meta tensor gives it memory holding whatever was there. A
 module's initialiser must write every tensor of its own, and one it forgets would train from garbage that looks
@@ -22,10 +30,11 @@ mask), which a meta build computes on the meta device and so loses. Every tensor
 with a value no initialiser writes (NaN; integers: their largest value; booleans: the byte 255) and checked after
 its initialiser ran. A non-persistent buffer left so is refused before anything is materialised, since no state
 dict will ever fill it: the initialiser of each module holding one is first run on a scratch copy of it (the random
-stream restored after). A parameter or persistent buffer left so is named in one warning, since a checkpoint loaded
-after setup may be meant to fill it; until then it holds NaN, so a forgotten one fails at the first loss instead of
-training. A non-persistent buffer the trial could not judge (its module cannot be copied, or its initialiser fails
-on the copy) and the real initialiser left unset is named in a warning of its own: no checkpoint will fill it.
+stream restored after); replayed, one that no recorded op writes is refused. A parameter or persistent buffer left
+so is named in one warning, since a checkpoint loaded after setup may be meant to fill it; until then it holds NaN,
+so a forgotten one fails at the first loss instead of training. A non-persistent buffer the trial could not judge
+(its module cannot be copied, or its initialiser fails on the copy) and the real initialiser left unset is named in
+a warning of its own: no checkpoint will fill it.
 
 Loading a state dict into meta parameters would silently do nothing (copying into a tensor without storage), so
 modules built under :func:`track_meta_build` refuse it with the fix, unless ``assign=True`` replaces them.
@@ -34,6 +43,7 @@ modules built under :func:`track_meta_build` refuse it with the fix, unless ``as
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 import weakref
 from collections.abc import Callable, Generator
@@ -42,35 +52,55 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
+
+from lightning_fsdp.engine.init_program import InitProgram, covers_storage, recording, storage_key
 
 ParamInitFn = Callable[[nn.Module], None]
+log = logging.getLogger(__name__)
 
 # id(meta parameter) -> (the parameter, its creator module), both weakly; see track_meta_build. Keyed by id because
 # tensors compare elementwise; a lookup checks that the parameter is still the same object.
 _CREATORS: dict[int, tuple[weakref.ref[nn.Parameter], weakref.ref[nn.Module]]] = {}
 _GUARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# Each module that registered a meta tensor under track_meta_build -> the init program recorded there.
+_PROGRAM_OF: weakref.WeakKeyDictionary[nn.Module, InitProgram] = weakref.WeakKeyDictionary()
 
 
 @contextmanager
 def track_meta_build() -> Generator[None, None, None]:
-    """While a model is built on the meta device: remember which module created each parameter, and make every
-    module holding meta parameters refuse a ``load_state_dict`` that would be a silent no-op."""
+    """While a model is built on the meta device: record the init program the eager build would run (see [Note:
+    replaying the eager build's init] in ``init_program.py``), remember which module created each parameter, and
+    make every module holding meta parameters refuse a ``load_state_dict`` that would be a silent no-op."""
+    program = InitProgram()
+
+    def on_register_buffer(module: nn.Module, name: str, buffer: torch.Tensor | None) -> None:
+        if buffer is not None and buffer.is_meta:
+            _PROGRAM_OF[module] = program
 
     def on_register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is None or not param.is_meta:
             return
+        _PROGRAM_OF[module] = program
         if _creator(param) is None:
             _CREATORS[id(param)] = (weakref.ref(param), weakref.ref(module))
         if module not in _GUARDED:
             _GUARDED.add(module)
             module.register_load_state_dict_pre_hook(_refuse_load_into_meta)
 
-    handle = register_module_parameter_registration_hook(on_register)
+    handles = [
+        register_module_parameter_registration_hook(on_register),
+        register_module_buffer_registration_hook(on_register_buffer),
+    ]
     try:
-        yield
+        with recording(program):
+            yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def _refuse_load_into_meta(
@@ -107,6 +137,10 @@ def _own_meta(module: nn.Module) -> tuple[list[str], list[str]]:
 def check_initializable(root: nn.Module, param_init_fn: ParamInitFn | None) -> None:
     """Refuse, before anything is materialised, a meta module that nothing knows how to initialise, or whose
     initialiser leaves a buffer computed at ``__init__`` unset (see [Note: tensors no initialiser wrote])."""
+    program, _ = _replay_plan(root, param_init_fn)
+    if program is not None:
+        _check_replay_writes_computed_buffers(root, program)
+        return
     for name, module in root.named_modules():
         label = f"module '{name or type(root).__name__}' ({type(module).__name__})"
         params, buffers = _own_meta(module)
@@ -192,7 +226,169 @@ def materialize(
     owners_of: dict[int, list[tuple[nn.Module, str]]],
     on_param_ready: Callable[[nn.Parameter, nn.Parameter], None],
 ) -> None:
-    """Materialise and initialise every meta tensor under ``root``; report each parameter as (meta, real)."""
+    """Materialise and initialise every meta tensor under ``root``; report each parameter as (meta, real).
+
+    A model built under :func:`track_meta_build` gets its recorded init program replayed (the eager build's
+    values, see [Note: replaying the eager build's init]); with a ``param_init_fn``, or where the program cannot be
+    replayed (the reason is logged), each module's initialiser runs instead, in module order."""
+    program, reason = _replay_plan(root, param_init_fn)
+    if program is not None:
+        unset, lost = _materialize_by_replay(root, device, program, owners_of, on_param_ready)
+    else:
+        if reason is not None:
+            log.log(
+                logging.INFO if reason.endswith(_EXPECTED_FALLBACKS) else logging.WARNING,
+                "lightning_fsdp: the meta build's init cannot be replayed (%s); each module's reset_parameters() "
+                "initialises it instead, which gives the eager build's values only when every module initialises "
+                "its own tensors there, in the order module order visits them",
+                reason,
+            )
+        unset, lost = _materialize_by_initialisers(root, device, param_init_fn, owners_of, on_param_ready)
+    if unset:
+        warnings.warn(
+            f"{len(unset)} tensor(s) materialised from the meta device were written by neither reset_parameters() "
+            f"nor param_init_fn: {_listed(unset)}. They hold NaN (integers: their largest value) until a checkpoint "
+            "is loaded into them; initialise them there if none will be.",
+            stacklevel=3,
+        )
+    if lost:
+        warnings.warn(
+            f"{len(lost)} non-persistent buffer(s) materialised from the meta device were written by neither "
+            f"reset_parameters() nor param_init_fn: {_listed(lost)}. No checkpoint holds them, so they keep NaN "
+            "(integers: their largest value) and training will fail; compute them in the initialiser, or build "
+            "those modules on a real device.",
+            stacklevel=3,
+        )
+
+
+_NOT_RECORDED = "was put on the meta device outside track_meta_build, so no init was recorded"
+_RESET_REPLACED = "had its reset_parameters replaced on the instance: that is what initialises it"
+# Fallbacks that are what the user set up (logged at INFO); any other is a build the replay could not express.
+_EXPECTED_FALLBACKS = (_NOT_RECORDED, _RESET_REPLACED)
+
+
+def _replay_plan(root: nn.Module, param_init_fn: ParamInitFn | None) -> tuple[InitProgram | None, str | None]:
+    """The recorded program that initialises every meta tensor under ``root``, or why none can (no reason when the
+    caller gave its own initialiser or nothing is on the meta device)."""
+    if param_init_fn is not None:
+        return None, None
+    programs: dict[int, InitProgram] = {}
+    tensors: dict[int, tuple[str, torch.Tensor]] = {}  # id(tensor) -> (its name, it): a tied one once
+    for path, module in root.named_modules():
+        params, buffers = _own_meta(module)
+        reason = _initialised_outside_the_build(path or type(root).__name__, module, bool(params or buffers))
+        if reason is not None:
+            return None, reason
+        if not params and not buffers:
+            continue
+        program = _PROGRAM_OF.get(module)
+        if program is None:
+            label = path or type(root).__name__
+            return None, f"module '{label}' {_NOT_RECORDED}"
+        programs[id(program)] = program
+        for name in params:
+            tensors.setdefault(id(module._parameters[name]), (_joined(path, name), module._parameters[name]))
+        for name in buffers:
+            tensors.setdefault(id(module._buffers[name]), (_joined(path, name), module._buffers[name]))
+    if not programs:
+        return None, None
+    if len(programs) > 1:
+        return None, "parts of the model were built on the meta device in different builds"
+    program = next(iter(programs.values()))
+    if program.unsupported is not None:
+        return None, program.unsupported
+    names_by_key: dict[int, str] = {}
+    for name, tensor in tensors.values():
+        key = storage_key(tensor)
+        if key not in program.storages:
+            return None, f"{name} was created outside the recorded build"
+        if key in names_by_key:
+            return None, f"{name} shares memory with {names_by_key[key]}"
+        if not covers_storage(tensor):
+            return None, f"{name} is a view of a larger tensor"
+        names_by_key[key] = name
+    return program, None
+
+
+def _initialised_outside_the_build(name: str, module: nn.Module, holds_meta: bool) -> str | None:
+    """Why ``module``'s initialisation is not in what its build ran, where a known convention says so."""
+    if holds_meta and "reset_parameters" in vars(module):
+        # LitGPT's pretrain initialize_weights sets each module's reset_parameters after the meta build, for the
+        # FSDP convention (materialising calls it) to run: the eager script calls them all after building.
+        return f"module '{name}' {_RESET_REPLACED}"
+    if callable(getattr(type(module), "_init_weights", None)) and callable(getattr(type(module), "post_init", None)):
+        # transformers' PreTrainedModel.init_weights skips _init_weights when built under torch.device("meta").
+        return (
+            f"module '{name}' ({type(module).__name__}) is a transformers model, which skips _init_weights on the "
+            "meta device; pass param_init_fn=model._init_weights"
+        )
+    return None
+
+
+def _check_replay_writes_computed_buffers(root: nn.Module, program: InitProgram) -> None:
+    """Refuse a non-persistent meta buffer that nothing in the recorded build writes: no checkpoint will either."""
+    for name, module in root.named_modules():
+        _, buffers = _own_meta(module)
+        never = [
+            b
+            for b in buffers
+            if b in module._non_persistent_buffers_set and not program.ever_written(storage_key(module._buffers[b]))
+        ]
+        if never:
+            raise ValueError(
+                f"module '{name or type(root).__name__}' ({type(module).__name__}) was built on the meta device with "
+                f"the non-persistent buffer(s) {', '.join(never)}, which nothing in its build writes and no "
+                "checkpoint holds; compute them in __init__, or build that module on a real device. Nothing was "
+                "materialised."
+            )
+
+
+def _materialize_by_replay(
+    root: nn.Module,
+    device: torch.device,
+    program: InitProgram,
+    owners_of: dict[int, list[tuple[nn.Module, str]]],
+    on_param_ready: Callable[[nn.Parameter, nn.Parameter], None],
+) -> tuple[list[str], list[str]]:
+    """Module by module in module order, each module's own tensors computed from their slice of ``program``."""
+    states = program.run_stream(device)
+    unset: list[str] = []
+    lost: list[str] = []
+    for path, module in root.named_modules():
+        param_names, buffer_names = _own_meta(module)
+        if not param_names and not buffer_names:
+            continue
+        targets: dict[int, torch.Tensor] = {}
+        for name in buffer_names:
+            meta = module._buffers[name]
+            module._buffers[name] = targets[storage_key(meta)] = _marked_empty(meta, device)
+        ready = []
+        for name in param_names:
+            meta = module._parameters[name]
+            real = nn.Parameter(_marked_empty(meta, device), requires_grad=meta.requires_grad)
+            targets[storage_key(meta)] = real
+            for owner, attr in owners_of.get(id(meta), [(module, name)]):
+                owner._parameters[attr] = real
+            ready.append((meta, real))
+        with torch.no_grad():
+            program.replay(targets, device, states)
+        _note_unwritten(path, module, buffer_names, param_names, unset, lost)
+        for meta, real in ready:
+            on_param_ready(meta, real)
+    states.restore_final()
+    for module in root.modules():  # the program (and the real values it holds) lives only while a part awaits it
+        _PROGRAM_OF.pop(module, None)
+    return unset, lost
+
+
+def _materialize_by_initialisers(
+    root: nn.Module,
+    device: torch.device,
+    param_init_fn: ParamInitFn | None,
+    owners_of: dict[int, list[tuple[nn.Module, str]]],
+    on_param_ready: Callable[[nn.Parameter, nn.Parameter], None],
+) -> tuple[list[str], list[str]]:
+    """Module by module in module order, each initialised by ``param_init_fn`` or its ``reset_parameters()``."""
     stand_ins = _tied_stand_ins(owners_of)
     unset: list[str] = []  # a checkpoint loaded later may fill these
     lost: list[str] = []  # non-persistent buffers (no checkpoint holds them) the scratch trial could not judge
@@ -219,29 +415,28 @@ def materialize(
             _initialise(module, param_init_fn)
         for name in shared:
             module._parameters[name] = shared[name]  # meta until its initialising owner, or already real
-        written = [(name, module._buffers[name]) for name in buffer_names]
-        written += [(name, module._parameters[name]) for name in param_names if name not in stand_in_names]
-        for name, tensor in written:
-            if _unwritten(tensor):
-                computed = name in buffer_names and name in module._non_persistent_buffers_set
-                (lost if computed else unset).append(f"{path}.{name}" if path else name)
+        own_params = [name for name in param_names if name not in stand_in_names]
+        _note_unwritten(path, module, buffer_names, own_params, unset, lost)
         for meta, real in ready:
             on_param_ready(meta, real)
-    if unset:
-        warnings.warn(
-            f"{len(unset)} tensor(s) materialised from the meta device were written by neither reset_parameters() "
-            f"nor param_init_fn: {_listed(unset)}. They hold NaN (integers: their largest value) until a checkpoint "
-            "is loaded into them; initialise them there if none will be.",
-            stacklevel=3,
-        )
-    if lost:
-        warnings.warn(
-            f"{len(lost)} non-persistent buffer(s) materialised from the meta device were written by neither "
-            f"reset_parameters() nor param_init_fn: {_listed(lost)}. No checkpoint holds them, so they keep NaN "
-            "(integers: their largest value) and training will fail; compute them in the initialiser, or build "
-            "those modules on a real device.",
-            stacklevel=3,
-        )
+    return unset, lost
+
+
+def _note_unwritten(
+    path: str, module: nn.Module, buffer_names: list[str], param_names: list[str], unset: list[str], lost: list[str]
+) -> None:
+    """Add the module's just-materialised tensors still holding their mark to ``lost`` (non-persistent buffers) or
+    ``unset`` (the rest)."""
+    written = [(name, module._buffers[name]) for name in buffer_names]
+    written += [(name, module._parameters[name]) for name in param_names]
+    for name, tensor in written:
+        if _unwritten(tensor):
+            computed = name in buffer_names and name in module._non_persistent_buffers_set
+            (lost if computed else unset).append(_joined(path, name))
+
+
+def _joined(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
 
 
 def _listed(names: list[str]) -> str:

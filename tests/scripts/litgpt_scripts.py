@@ -27,7 +27,7 @@ import lightning_fsdp
 
 TINY = dict(
     name="tiny-llama-test",
-    block_size=16,
+    block_size=64,
     vocab_size=24,
     padded_vocab_size=24,
     n_layer=2,
@@ -83,6 +83,28 @@ class RandomTokens(Dataset):
         return self.data[index]
 
 
+class ResumableLoader(DataLoader):
+    """A DataLoader that resumes where it stopped, as LitGPT's own pretraining loader (litdata's
+    ``StreamingDataLoader``) does: Fabric saves its ``state_dict`` with the run and restores it on resume."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.consumed, self.skip = 0, 0
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        for index, batch in enumerate(super().__iter__()):
+            if index >= skip:
+                self.consumed = index + 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["consumed"]
+
+
 class Tokens(DataModule):
     """Pretraining data without a download: fixed random token rows (``--data tests.scripts.litgpt_scripts.Tokens``)."""
 
@@ -90,23 +112,14 @@ class Tokens(DataModule):
         self.batch_size, self.length = batch_size, max_seq_length
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(RandomTokens(64, self.length, 0), batch_size=self.batch_size)
+        return ResumableLoader(RandomTokens(64, self.length, 0), batch_size=self.batch_size)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(RandomTokens(8, self.length, 1), batch_size=self.batch_size)
 
 
-class TrustingFSDPStrategy(lightning_fsdp.FabricFSDPStrategy):
-    """Ours, opted in to unpickling the checkpoints it resumes: LitGPT's pretraining state holds its DataLoader
-    object, which is not plain data (torch's ``weights_only`` load under DDP refuses the same file)."""
-
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(trust_checkpoint=True, **kwargs)
-
-
 STRATEGIES = {
     "ours": lightning_fsdp.FabricFSDPStrategy,
-    "ours, trusting": TrustingFSDPStrategy,
     "ddp": _in_place_of_fsdp(DDPStrategy),
     "ddp, initialising": _in_place_of_fsdp(InitialisingDDPStrategy),
 }

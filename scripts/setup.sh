@@ -39,5 +39,9 @@ if ! .venv/bin/python -c "import importlib.metadata as m; m.distribution('lightn
     || [ ! -e "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     echo "setup: installing lightning_fsdp and its dependencies into .venv" >&2
     .venv/bin/python -m pip install -q -e ".[dev]"
+    # The tests run LitGPT's own scripts on our strategy. LitGPT 0.5.13 pins jsonargparse<=4.41 and
+    # huggingface-hub<1.4, which would downgrade transformers and jsonargparse for every other test; its code runs
+    # on the versions installed above (everything else it imports is already there), so it comes without them.
+    .venv/bin/python -m pip install -q --no-deps "litgpt==0.5.13"
     touch "$stamp"
 fi

@@ -1,6 +1,7 @@
 """Fine-tuning a transformers Llama through the Trainer (tests/scripts/hf_trainer.py, one 2-process launch):
-``myfsdp`` trains like ``ddp`` with every parameter trainable and with LoRA adapters, an adapter checkpoint holds the
-adapters alone and resumes exactly, and ``convert --to safetensors`` of it gives the adapter tensors."""
+``myfsdp`` trains like ``ddp`` with every parameter trainable, with our LoRA adapters and with peft's
+``get_peft_model`` LoRA; an adapter checkpoint holds the adapters alone and resumes exactly, and
+``convert --to safetensors`` of it gives the adapter tensors."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def _assert_close(runs: Path, name: str, reference: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "reference"), [("rows", "ddp_rows"), ("from_pretrained", "ddp_rows"), ("lora", "ddp_lora")]
+    ("name", "reference"),
+    [("rows", "ddp_rows"), ("from_pretrained", "ddp_rows"), ("lora", "ddp_lora"), ("peft", "ddp_peft")],
 )
 def test_fine_tuning_matches_ddp(runs: Path, name: str, reference: str) -> None:
     _assert_close(runs, name, reference)
@@ -71,3 +73,17 @@ def test_an_adapter_checkpoint_holds_the_adapters_and_resumes_exactly(runs: Path
     assert load_file(tmp_path / "adapters.safetensors").keys() == {
         n.removeprefix("model.") for n in saved["state_dict"]
     }
+
+
+def test_a_peft_lora_trains_its_adapters_only_and_resumes_exactly(runs: Path) -> None:
+    checkpoint = torch.load(runs / "peft" / "epoch=0-step=2.ckpt", weights_only=True)
+    assert checkpoint["state_dict"] and all(".lora_" in name for name in checkpoint["state_dict"])
+    pretrained = load_file(runs / "pretrained" / "model.safetensors")
+    peft, resumed = torch.load(runs / "peft.pt"), torch.load(runs / "peft_resumed.pt")
+    for name, value in pretrained.items():
+        wrapped = name.replace("q_proj.", "q_proj.base_layer.").replace("v_proj.", "v_proj.base_layer.")
+        assert torch.equal(peft[f"model.base_model.model.{wrapped}"], value), f"frozen {name} changed under peft"
+    adapters = [name for name in peft if ".lora_" in name]
+    assert adapters and any(not torch.equal(peft[n], torch.zeros_like(peft[n])) for n in adapters)
+    for name, value in peft.items():
+        assert torch.equal(resumed[name], value), f"resumed {name} differs from the uninterrupted run"

@@ -9,8 +9,10 @@ The recipe, and what each way of loading the pretrained weights costs in host me
 - ``load="from_pretrained"``: ``configure_model`` calls ``from_pretrained``, so every rank holds the whole model
   until the strategy shards it. Simplest, and fine while the model fits each rank's host memory.
 
-``lora_rank > 0`` adds LoRA adapters (``lightning_fsdp.demos.lora``) to the layers named by ``lora_targets`` and
-freezes everything else; with ``FSDPStrategy(save_trainable_only=True)`` checkpoints then hold the adapters alone.
+``lora_rank > 0`` adds LoRA adapters to the layers named by ``lora_targets`` and freezes everything else; with
+``FSDPStrategy(save_trainable_only=True)`` checkpoints then hold the adapters alone. ``adapters="builtin"`` uses
+``lightning_fsdp.demos.lora``; ``adapters="peft"`` wraps the model with peft's ``get_peft_model`` and a
+``LoraConfig``, as peft's users do (peft renames the base weights, so it needs ``load="from_pretrained"``).
 transformers is imported only when the model is built (it is not a dependency of lightning_fsdp itself).
 """
 
@@ -42,6 +44,7 @@ class HFCausalLM(LightningModule):
         lora_rank: 0 trains every parameter; above 0, LoRA adapters of that rank on ``lora_targets`` only.
         lora_targets: names of the ``nn.Linear`` layers to adapt (matched at the end of the module name).
         lora_alpha: LoRA's scale numerator (the update is scaled by ``alpha / rank``).
+        adapters: whose LoRA, ``"builtin"`` or ``"peft"`` (see the module docstring).
         lr, weight_decay: AdamW's, over the trainable parameters.
     """
 
@@ -52,12 +55,20 @@ class HFCausalLM(LightningModule):
         lora_rank: int = 0,
         lora_targets: tuple[str, ...] = ("q_proj", "v_proj"),
         lora_alpha: float = 16.0,
+        adapters: Literal["builtin", "peft"] = "builtin",
         lr: float = 1e-3,
         weight_decay: float = 0.0,
     ) -> None:
         super().__init__()
         if load not in ("rows", "from_pretrained"):
             raise ValueError(f"load={load!r}: use 'rows' or 'from_pretrained'.")
+        if adapters not in ("builtin", "peft"):
+            raise ValueError(f"adapters={adapters!r}: use 'builtin' or 'peft'.")
+        if adapters == "peft" and lora_rank > 0 and load != "from_pretrained":
+            raise ValueError(
+                "adapters='peft' renames the base model's weights, so the pretrained rows cannot be read after "
+                "sharding; use load='from_pretrained' with it."
+            )
         self.save_hyperparameters()
         self.model: torch.nn.Module | None = None
 
@@ -71,7 +82,17 @@ class HFCausalLM(LightningModule):
             model = AutoModelForCausalLM.from_pretrained(self.hparams.pretrained)
         else:
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.hparams.pretrained))
-        if self.hparams.lora_rank > 0:
+        if self.hparams.lora_rank > 0 and self.hparams.adapters == "peft":
+            from peft import LoraConfig, get_peft_model
+
+            adapted = LoraConfig(
+                r=self.hparams.lora_rank,
+                lora_alpha=self.hparams.lora_alpha,
+                target_modules=list(self.hparams.lora_targets),
+                lora_dropout=0.0,
+            )
+            model = get_peft_model(model, adapted)
+        elif self.hparams.lora_rank > 0:
             add_lora(model, self.hparams.lora_targets, self.hparams.lora_rank, self.hparams.lora_alpha)
         self.model = model
 

@@ -10,12 +10,15 @@ OUT_DIR/pretrained is a tiny Llama saved with ``save_pretrained`` (the test writ
   ``save_trainable_only=True``: the step-2 checkpoint (OUT_DIR/lora/epoch=0-step=2.ckpt) holds the adapters alone.
 - ``lora_resumed``: a new run from the pretrained weights plus that adapter checkpoint, to step 4: it must end where
   ``lora`` did.
+- ``ddp_peft`` / ``peft`` / ``peft_resumed``: the same with peft's ``get_peft_model`` LoRA (loaded by
+  ``from_pretrained``; peft's own module names), the step-2 checkpoint in OUT_DIR/peft.
 
 Usage: python tests/scripts/hf_trainer.py OUT_DIR
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -67,13 +70,23 @@ def main() -> None:
         callbacks=[at_step_2],
         enable_checkpointing=True,
     )
+    resume("lora_resumed", lora, out / "lora" / "epoch=0-step=2.ckpt")
+    peft = {"lora_rank": 2, "adapters": "peft", "load": "from_pretrained"}
+    run("ddp_peft", "ddp", peft)
+    at_step_2 = ModelCheckpoint(dirpath=out / "peft", every_n_train_steps=2, save_top_k=-1)
+    strategy = FSDPStrategy(auto_wrap_policy=units, save_trainable_only=True)
+    run("peft", strategy, peft, callbacks=[at_step_2], enable_checkpointing=True)
+    resume("peft_resumed", peft, out / "peft" / "epoch=0-step=2.ckpt")
+
+
+def resume(name: str, module: dict[str, Any], checkpoint: Path) -> None:
     L.seed_everything(0, verbose=False)
-    model = HFCausalLM(str(out / "pretrained"), lr=1e-3, **lora)
-    trainer = make_trainer(FSDPStrategy(auto_wrap_policy=units), max_steps=4)
-    trainer.fit(model, loader(), ckpt_path=out / "lora" / "epoch=0-step=2.ckpt")
+    model = HFCausalLM(str(out_dir() / "pretrained"), lr=1e-3, **module)
+    trainer = make_trainer(FSDPStrategy(auto_wrap_policy={LlamaDecoderLayer}), max_steps=4)
+    trainer.fit(model, loader(), ckpt_path=checkpoint)
     weights = full_state_dict(model)
     if trainer.global_rank == 0:
-        torch.save(weights, out / "lora_resumed.pt")
+        torch.save(weights, out_dir() / f"{name}.pt")
 
 
 if __name__ == "__main__":

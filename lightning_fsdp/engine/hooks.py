@@ -34,7 +34,7 @@ the four runtime entry points (pre-/post-forward, pre-backward, gradient accumul
 ``torch.compiler.disable``d: dynamo breaks the graph around each hook call and runs the hook eagerly, and the
 compute between hooks -- the blocks themselves -- compiles into graphs. The full parameters keep their identity
 across steps (see [Note: storage freeing and tensor identity] in ``param.py``), so the graphs' guards on them hold
-and nothing recompiles. ``tests/test_engine_compile.py`` counts the graph breaks this costs.
+and nothing recompiles. ``tests/test_engine_compile.py`` checks that no hook is a frame of its own.
 
 [Note: units compile with static sizes] Around those graph breaks each unit's forward is a frame of its own, and
 the units of one class (a ResNet's BasicBlocks of different widths and strides) share one code object: dynamo

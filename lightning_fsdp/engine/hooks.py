@@ -46,7 +46,8 @@ so every block after the first recompiled with symbolic sizes (and inductor fail
 expression to float"). Hence ``fully_shard`` marks only the models and containers above the units, which libraries
 ask (see ``_mark_fsdp_managed`` in api.py), never a unit's own modules; and the hooks are registered as partials of
 the disabled functions, not lambdas, so no hook is a frame of its own that dynamo compiles (and recompiles per
-input shape). Each unit then compiles once, with static sizes; ``tests/test_engine_compile_conv.py`` counts it.
+input shape). Each unit then compiles once with its modules' sizes and ints static; only an input whose sizes differ
+from the unit compiled before still becomes symbolic, as in plain torch. ``tests/test_engine_compile_conv.py``.
 
 [Note: post-backward by counting] A post-accumulate-grad hook fires exactly once per backward for every leaf that
 received a gradient, after all its uses have been summed (a unit called twice included). When the count reaches

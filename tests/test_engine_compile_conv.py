@@ -7,7 +7,7 @@ inductor's C++ compile (minutes on these CPUs). The recorder lists, for every gr
 sizes: before the fix the second block's graph had ``L['self']._modules['conv1'].stride[0]`` among them (the
 recompile inductor then failed on). A block whose input has other sizes than the block before it still gets
 symbolic *activation* sizes (``L['x'].size()[2]``), torch's automatic dynamic shapes for one forward shared by many
-modules, as in plain torch with the same graph breaks.
+modules, as in plain torch with the same graph breaks. One case runs inductor itself, on one rank and two blocks.
 """
 
 from __future__ import annotations
@@ -101,3 +101,21 @@ def _check_compiled_resnet(rank: int, world_size: int) -> None:
 
 def test_compiled_resnet_blocks_keep_their_modules_static() -> None:
     run_distributed(_check_compiled_resnet, 2, timeout=300.0)
+
+
+def _check_inductor_trains_a_strided_block(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    plain = ResNet(widths=((8, 1), (12, 2)))  # the second block's stride-2 convolution: where inductor failed
+    batches = _batches(rank)[:2]
+    eager = fully_shard(copy.deepcopy(plain), {BasicBlock})
+    reference = _train(eager, eager, batches)
+    torch._dynamo.reset()
+    model = fully_shard(copy.deepcopy(plain), {BasicBlock})
+    losses = _train(model, torch.compile(model, backend="inductor"), batches)
+    torch.testing.assert_close(losses, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_inductor_compiles_blocks_of_different_strides() -> None:
+    """The issue's failure ("Cannot convert expression to float" in the second block's backward), on one rank: the
+    cause, the modules' marking, does not depend on the world size, and inductor's compile is what takes the time."""
+    run_distributed(_check_inductor_trains_a_strided_block, 1, timeout=400.0)

@@ -17,6 +17,7 @@ from lightning_fsdp.engine.deferred_init import ParamInitFn, check_initializable
 from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, check_same_structure, values_differ
 from lightning_fsdp.engine.groups import Groups, resolve_groups
 from lightning_fsdp.engine.load_hooks import install_load_hooks
+from lightning_fsdp.engine.module_buffers import broadcast_from_first
 from lightning_fsdp.engine.optimizer_guard import record_replaced
 from lightning_fsdp.engine.options import BackwardPrefetch, MixedPrecision, ShardingOptions, ShardingStrategy
 from lightning_fsdp.engine.ownership import OwnedParam, assign_params
@@ -124,7 +125,7 @@ def fully_shard(
     if groups.sync.size() > 1:
         buffers = [b for b in module.buffers() if b.numel() > 0]
         if buffers and (sync_module_states or values_differ(buffers, groups.sync)):
-            _broadcast_params(buffers, groups.sync)
+            broadcast_from_first(buffers, groups.sync)
             builder.took_rank0.append("buffers")
     if builder.took_rank0 and not sync_module_states and dist.get_rank(groups.sync) == 0:
         log.info(
@@ -143,14 +144,22 @@ def fully_shard(
 
 
 def _mark_fsdp_managed(module: nn.Module) -> None:
-    """Set the attributes torch's FSDP sets on every module it manages, which libraries read to know that a forward
+    """Set the attributes torch's FSDP sets on the modules it manages, which libraries read to know that a forward
     is a collective: transformers' ``generate`` then keeps a rank that met its end token stepping (``synced_gpus``)
-    until every rank is done, instead of leaving the others waiting in a gather forever. ``torch.compile`` reads them
-    too: it then treats the modules' parameters as inputs rather than constants (they are swapped between shard and
-    full tensor by our hooks), and ``_fsdp_use_orig_params`` says, truly, that the parameters are the original ones."""
+    until every rank is done, instead of leaving the others waiting in a gather forever. ``_fsdp_use_orig_params``
+    says, truly, that the parameters are the original ones.
+
+    Only ``module`` and the modules that hold units below them (the models and containers a library asks) are
+    marked, never a unit's own modules: see [Note: units compile with static sizes].
+    """
+    with_units_below = {id(m) for m in module.modules() if any(unit.module is not m for unit in units_under(m))}
     for submodule in module.modules():
-        submodule._is_fsdp_managed_module = True
-        submodule._fsdp_use_orig_params = True
+        if submodule is module or id(submodule) in with_units_below:
+            submodule._is_fsdp_managed_module = True
+            submodule._fsdp_use_orig_params = True
+        else:  # a unit's module marked by its own earlier fully_shard call, now below this one
+            submodule.__dict__.pop("_is_fsdp_managed_module", None)
+            submodule.__dict__.pop("_fsdp_use_orig_params", None)
 
 
 class _UnitBuilder:
@@ -201,7 +210,7 @@ class _UnitBuilder:
         tensors = [o.param for o in owned]
         if tensors and self.groups.sync.size() > 1:  # see [Note: different values are made rank 0's]
             if self.sync_module_states or values_differ(tensors, self.groups.sync):
-                _broadcast_params(tensors, self.groups.sync)
+                broadcast_from_first(tensors, self.groups.sync)
                 self.took_rank0.append(f"unit {type(unit_module).__name__}")
         if self.options.keeps_replicas_in_place:
             unit = FSDPUnit(unit_module, [], [o.param for o in owned], self.groups.as_pair(), self.options)
@@ -230,22 +239,6 @@ def _materialize_device(device: torch.device | str | None, groups: Groups) -> to
     if dist.get_backend(groups.sync) == dist.Backend.NCCL:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _broadcast_params(params: list[torch.Tensor], group: ProcessGroup) -> None:
-    """One broadcast of a unit's parameters from the group's first rank, packed flat (grouped by dtype)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for param in params:
-        by_dtype.setdefault(param.dtype, []).append(param)
-    src = dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for tensors in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            dist.broadcast(flat, src=src, group=group)
-            offset = 0
-            for tensor in tensors:
-                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
 
 
 def _structure_prints(

@@ -34,7 +34,20 @@ the four runtime entry points (pre-/post-forward, pre-backward, gradient accumul
 ``torch.compiler.disable``d: dynamo breaks the graph around each hook call and runs the hook eagerly, and the
 compute between hooks -- the blocks themselves -- compiles into graphs. The full parameters keep their identity
 across steps (see [Note: storage freeing and tensor identity] in ``param.py``), so the graphs' guards on them hold
-and nothing recompiles. ``tests/test_engine_compile.py`` counts the graph breaks this costs.
+and nothing recompiles. ``tests/test_engine_compile.py`` checks that no hook is a frame of its own.
+
+[Note: units compile with static sizes] Around those graph breaks each unit's forward is a frame of its own, and
+the units of one class (a ResNet's BasicBlocks of different widths and strides) share one code object: dynamo
+compiles it once per unit and, when a guarded size or int differs from the unit before, makes it symbolic
+("automatic dynamic shapes"). What keeps plain torch static there is that module attributes are specialised:
+parameters, buffers and ints such as a convolution's stride of an ordinary module are constants of the graph. A
+module marked ``_is_fsdp_managed_module`` is wrapped as torch FSDP1's instead, whose buffers and ints are neither,
+so every block after the first recompiled with symbolic sizes (and inductor failed on them: "Cannot convert
+expression to float"). Hence ``fully_shard`` marks only the models and containers above the units, which libraries
+ask (see ``_mark_fsdp_managed`` in api.py), never a unit's own modules; and the hooks are registered as partials of
+the disabled functions, not lambdas, so no hook is a frame of its own that dynamo compiles (and recompiles per
+input shape). Each unit then compiles once with its modules' sizes and ints static; only an input whose sizes differ
+from the unit compiled before still becomes symbolic, as in plain torch. ``tests/test_engine_compile_conv.py``.
 
 [Note: post-backward by counting] A post-accumulate-grad hook fires exactly once per backward for every leaf that
 received a gradient, after all its uses have been summed (a unit called twice included). When the count reaches
@@ -54,6 +67,7 @@ every parameter trainable keep the count alone, so their reductions start as ear
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from typing import Any
@@ -66,6 +80,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_fsdp.engine.fingerprint import check_same_model
 from lightning_fsdp.engine.ledger import Ledger
+from lightning_fsdp.engine.module_buffers import broadcast_buffers
 from lightning_fsdp.engine.options import BackwardPrefetch
 from lightning_fsdp.engine.registry import units_under
 from lightning_fsdp.engine.transport import Transport, choose_transport
@@ -90,6 +105,7 @@ class RootContext:
         self.transports: dict[int, Transport] = {}  # by id of the process group (see [Note: one transport per group])
         self.ledger: Ledger | None = None  # numbers the units' collectives (see [Note: collective identity])
         self.callback_queued = False
+        self.buffers_trained = False  # a training forward ran since the ranks last took rank 0's buffers
 
     def lazy_init(self) -> None:
         """Claim every unit under the root. Safe to call again: it only re-reads which units exist."""
@@ -154,6 +170,16 @@ class RootContext:
 
     def transport_of(self, group: ProcessGroup | None) -> Transport:
         return self.transports[id(group)]
+
+    def sync_buffers_for_evaluation(self, training: bool) -> None:
+        """The first forward in eval mode after training: every rank takes rank 0's buffers, so that validation
+        normalises with the one set of running statistics a checkpoint would hold (see [Note: buffers are rank 0's
+        at every checkpoint] in module_buffers.py). Once per switch to evaluation, not per forward."""
+        if training:
+            self.buffers_trained = True
+        elif self.buffers_trained:
+            self.buffers_trained = False
+            broadcast_buffers(self.root.module)
 
     # ----- order and prefetch --------------------------------------------------------------------------------------
 
@@ -245,6 +271,8 @@ def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) ->
     if unit.is_recomputing:  # under activation checkpointing
         unit.use()
         return None
+    if unit.is_root:
+        context.sync_buffers_for_evaluation(module.training)
     unit.begin_forward(records_grads=torch.is_grad_enabled())
     if torch.is_grad_enabled():
         context.record_forward(unit)
@@ -332,11 +360,8 @@ def post_backward(unit: FSDPUnit) -> None:
 
 def install_hooks(unit: FSDPUnit) -> None:
     """Registered once per unit; nothing is re-registered per step except the hook on each forward's outputs."""
-    unit.module.register_forward_pre_hook(
-        lambda module, args, kwargs: pre_forward(unit, module, args, kwargs), with_kwargs=True
-    )
+    # Partials, not lambdas: see [Note: units compile with static sizes].
+    unit.module.register_forward_pre_hook(functools.partial(pre_forward, unit), with_kwargs=True)
     # always_call: a forward that raises (a user catching out-of-memory to retry smaller) still ends the unit's
     # forward and, the output being None, reshards what it gathered.
-    unit.module.register_forward_hook(
-        lambda module, args, output: post_forward(unit, module, args, output), always_call=True
-    )
+    unit.module.register_forward_hook(functools.partial(post_forward, unit), always_call=True)

@@ -8,6 +8,9 @@
   saved them. The engine's row split (rank r: rows [r*c, (r+1)*c), c = ceil(rows / W)) is ``torch.chunk``'s,
   which is DTensor's ``Shard(0)``; 0-dim parameters (one row on rank 0) are stored whole instead.
 
+Buffers are not sharded; both forms hold rank 0's (see [Note: buffers are rank 0's at every checkpoint] in
+``module_buffers.py``).
+
 Loading a full state dict: every rank copies its own rows out of it; read the file with ``torch.load(mmap=True)``
 and no rank materialises more than the one tensor it is slicing. Everything is keyed by the names
 ``module.state_dict()`` uses; a checkpoint for another model is refused before anything is changed. The sharded
@@ -26,6 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lightning_fsdp.engine.module_buffers import broadcast_buffers
 from lightning_fsdp.engine.param import FSDPParam, gather_masters
 from lightning_fsdp.engine.registry import fsdp_param_of, units_under
 from lightning_fsdp.engine.unit import TrainingState
@@ -39,6 +43,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, Ten
     exactly the values training will continue from. A collective: call it on every rank.
     """
     check_idle(module, "full_state_dict")
+    broadcast_buffers(module)  # see [Note: buffers are rank 0's at every checkpoint]
     keep = not rank0_only or dist.get_rank() == 0
     gathered: dict[int, Tensor] = {}
     with torch.no_grad():
@@ -57,8 +62,12 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, Ten
 
 def sharded_state_dict(module: nn.Module) -> dict[str, Tensor]:
     """``module.state_dict()`` with every shard as a DTensor aliasing it; loading into it loads into the model, but
-    for 0-dim parameters, whose entries are copies: pass the loaded dict to ``write_back_scalars``."""
+    for 0-dim parameters, whose entries are copies: pass the loaded dict to ``write_back_scalars``.
+
+    A collective: every rank takes rank 0's buffers first (see [Note: buffers are rank 0's at every checkpoint]).
+    """
     check_idle(module, "sharded_state_dict")
+    broadcast_buffers(module)
     return {name: as_dtensor(value) for name, value in module.state_dict(keep_vars=True).items()}
 
 

@@ -32,7 +32,7 @@ from lightning_fsdp.engine.options import (
 )
 from lightning_fsdp.engine.policies import as_wrap_policy, module_classes, repeated_block_class, select_unit_modules
 from lightning_fsdp.engine.registry import unit_of
-from lightning_fsdp.lightning_arguments import activation_checkpointing_alias, split_ignored
+from lightning_fsdp.lightning_arguments import activation_checkpointing_alias, split_ignored, torch_fsdp_keywords
 
 WrapPolicy = Callable[[nn.Module, bool, int], bool]
 # Strings first: a config parser (LightningCLI's jsonargparse) tries the members in order, and would otherwise take
@@ -124,6 +124,22 @@ class ShardedModelSetup(ABC):
         self.device_id = device_id
         self._hybrid_mesh = None  # fixed in setup_environment
         self.trust_checkpoint = flag("trust_checkpoint", trust_checkpoint)
+        self.kwargs = torch_fsdp_keywords(
+            {
+                "auto_wrap_policy": auto_wrap_policy,
+                "device_mesh": device_mesh,
+                "process_group": process_group,
+                "backward_prefetch": backward_prefetch,
+                "forward_prefetch": forward_prefetch,
+                "limit_all_gathers": limit_all_gathers,
+                "sync_module_states": sync_module_states,
+                "param_init_fn": param_init_fn,
+                "device_id": device_id,
+                "ignored_modules": ignored_modules,
+                "ignored_states": ignored_states,
+            },
+            self.use_orig_params,
+        )
 
     @abstractmethod
     def _precision_engine_policy(self) -> MixedPrecision | None:

@@ -135,7 +135,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             optimizer state, which only they have): an adapter's few MB instead of the whole model. Resuming from one
             leaves the other parameters as the model has them -- build it with its base weights first.
         **kwargs: anything else is refused with a sentence: the torch-FSDP keywords Lightning forwards are all
-            named arguments above.
+            named arguments above. As in Lightning, ``strategy.kwargs`` holds those given (read-only).
     """
 
     strategy_name = "myfsdp"

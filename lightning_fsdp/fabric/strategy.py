@@ -88,7 +88,8 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
             ``FSDPStrategy`` and the other way round.
         trust_checkpoint: let ``fabric.load`` unpickle more than plain data. Only for files you wrote yourself;
             ``fabric.load(..., weights_only=False)`` does the same for one load.
-        **kwargs: anything else is refused with a sentence.
+        **kwargs: anything else is refused with a sentence; ``strategy.kwargs`` holds the torch-FSDP keywords given,
+            as Lightning's Trainer strategy keeps them (read-only).
     """
 
     strategy_name = "myfsdp"

@@ -38,7 +38,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -568,3 +568,4 @@ def _weights_only_given_to_the_trainer() -> bool | None:
 
 
 accept_compiled_modules(FSDPStrategy)
+FSDPStrategy.register_strategies(StrategyRegistry)  # the registry's entries for our names: this class

@@ -306,7 +306,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
-        refuse_unsharded_averaging(trainer.callbacks)
+        refuse_unsharded_averaging(trainer.callbacks, self.world_size)
         self.accelerator.setup(trainer)
         self._check_device_id()
         if unit_of(self._module()) is None:

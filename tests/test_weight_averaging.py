@@ -1,8 +1,9 @@
 """Weight averaging under ``myfsdp``: ``ShardedEMA`` gives ddp's EMA at 1/W of the memory, in both checkpoint forms;
-``AveragedModel`` built before sharding gives ddp's average; Lightning's averaging callbacks are refused at setup.
+``AveragedModel`` built before sharding gives ddp's average; Lightning's averaging callbacks are refused at setup on two
+ranks and, on one, where nothing is sharded, average as under ddp.
 
-One spawned run of 2 gloo ranks (tests/scripts/weight_averaging.py) carries every Trainer run; the tests read what it
-wrote. The tolerance is the issue's: 1e-6 relative to the largest entry of the reference tensor.
+One spawned run of 2 gloo ranks (tests/scripts/weight_averaging.py) carries every Trainer run but the one-rank case; the
+tests read what it wrote. The tolerance is the issue's: 1e-6 relative to the largest entry of the reference tensor.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from lightning_fsdp import ShardedEMA
 from lightning_fsdp.checkpoint.callback_tensors import SHARDED_TENSORS
 from lightning_fsdp.checkpoint.convert import convert
 from tests.distributed import run_distributed
-from tests.scripts.weight_averaging import run
+from tests.scripts.weight_averaging import run, run_one_rank
 
 RTOL = 1e-6
 WORLD_SIZE = 2
@@ -153,3 +154,16 @@ def test_bad_arguments_are_refused_with_a_sentence() -> None:
         ShardedEMA(update_every=0)
     with pytest.raises(RuntimeError, match="has no model yet"):
         ShardedEMA().full_state_dict()
+
+
+def test_lightning_ema_is_allowed_on_one_rank_and_averages_as_under_ddp(tmp_path: Path) -> None:
+    run_distributed(run_one_rank, 1, str(tmp_path), timeout=300)
+    results = torch.load(tmp_path / "one_rank.pt", weights_only=False)
+    ddp, ours = results["ddp"], results["myfsdp"]
+    assert_close(ours["average"], ddp["average"], "EMAWeightAveraging's average, myfsdp vs ddp")
+    assert_close(ours["final"], ddp["final"], "the weights after fit (the average, copied in at the end)")
+    assert ours["val_loss"] and ours["val_loss"] == pytest.approx(ddp["val_loss"], rel=RTOL)
+    saved_ddp = torch.load(tmp_path / "ema_ddp.ckpt", weights_only=True)
+    saved_ours = torch.load(tmp_path / "ema_myfsdp.ckpt", weights_only=True)
+    for key in ("state_dict", "current_model_state"):
+        assert_close(saved_ours[key], saved_ddp[key], f"the checkpoint's {key}")

@@ -15,6 +15,9 @@ what the test compares to OUT/results.pt:
 - ``lora_ddp`` / ``lora``: a LoRA-adapted GPT (base frozen) holding a ``torch.optim.swa_utils.AveragedModel`` built in
   ``__init__``, under ddp and under ``myfsdp`` with ``ShardedEMA(trainable_only=True)`` beside it.
 - ``refused``: Lightning's three averaging callbacks under ``myfsdp``: the message, and whether the model changed.
+
+``run_one_rank`` is a run of its own on one rank, where nothing is sharded and Lightning's ``EMAWeightAveraging`` is
+allowed: against ddp on one rank.
 """
 
 from __future__ import annotations
@@ -238,6 +241,29 @@ def refused_runs(results: dict[str, Any]) -> None:
         after = model.state_dict()
         unchanged = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
         results["refused"][type(callback).__name__] = {"message": message, "unchanged": unchanged}
+
+
+def one_rank_runs(out: Path) -> dict[str, Any]:
+    """Lightning's ``EMAWeightAveraging`` on one rank, where nothing is sharded, under ddp and under ``myfsdp``: the
+    average, the validation losses (computed with it), the final weights and the saved checkpoints. The reference is
+    ddp on one rank rather than the single-device default, which feeds the batches through no distributed sampler
+    and so trains on other data."""
+    results: dict[str, Any] = {}
+    for label, strategy in (("ddp", "ddp"), ("myfsdp", FSDPStrategy(auto_wrap_policy={Block}))):
+        ema, probe = EMAWeightAveraging(decay=DECAY, update_every_n_steps=2, use_buffers=False), ValidationProbe()
+        trainer = fit(strategy, [probe, ema])
+        trainer.save_checkpoint(out / f"ema_{label}.ckpt")
+        results[label] = {
+            "average": {name: p.detach().clone() for name, p in ema._average_model.module.named_parameters()},
+            "val_loss": [record["val_loss"] for record in probe.records],
+            "final": weights(trainer),
+        }
+    return results
+
+
+def run_one_rank(rank: int, world_size: int, out: str) -> None:
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", NODE_RANK="0")
+    torch.save(one_rank_runs(Path(out)), Path(out) / "one_rank.pt")
 
 
 def run(rank: int, world_size: int, out: str) -> None:

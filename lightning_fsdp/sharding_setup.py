@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_fsdp.engine import MixedPrecision, apply_activation_checkpointing, fully_shard
+from lightning_fsdp.engine.deferred_init import has_meta_tensors
 from lightning_fsdp.engine.options import (
     ShardingStrategy,
     parse_backward_prefetch,
@@ -173,6 +174,8 @@ class ShardedModelSetup(ABC):
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         """Shard ``model`` in place (names and structure unchanged), then apply activation checkpointing."""
+        if self.param_init_fn is not None and not has_meta_tensors(model):
+            rank_zero_warn(unused_param_init_fn(model))
         fully_shard(
             model,
             self._wrap_policy(model),
@@ -234,6 +237,17 @@ class ShardedModelSetup(ABC):
         if self.mixed_precision is not None:
             return MixedPrecision.coerce(self.mixed_precision)
         return self._precision_engine_policy()
+
+
+def unused_param_init_fn(model: nn.Module) -> str:
+    """Why ``param_init_fn`` is not called for ``model``: as in torch's FSDP, it initialises only modules materialised
+    from the meta device, and ``configure_model`` builds on the real device unless an empty init is asked for."""
+    return (
+        f"param_init_fn is not called: no parameter or buffer of {type(model).__name__} is on the meta device, and, as "
+        "in torch's FSDP, it initialises only modules materialised from there; build the model on the meta device "
+        "(FSDPStrategy(empty_init=True) or trainer.init_module(empty_init=True) with the layers made in "
+        "configure_model; under Fabric, fabric.init_module(empty_init=True)) or initialise it before setup."
+    )
 
 
 def default_policy(model: nn.Module) -> set[type[nn.Module]] | None:

@@ -115,8 +115,9 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         forward_prefetch: gather the next unit in forward order ahead of time.
         limit_all_gathers: at most two units gathered ahead of their use.
         sync_module_states: broadcast rank 0's parameters and buffers at setup.
-        param_init_fn: initializes a module materialized from the meta device, instead of its
-            ``reset_parameters()``.
+        param_init_fn: initializes a module materialized from the meta device (``empty_init=True``), instead of its
+            ``reset_parameters()``. As in torch's FSDP it is not called for modules built on a real device; when
+            nothing is on the meta device a warning says so.
         process_group: the ranks to shard over (torch's keyword); the whole world by default.
         ignored_modules, ignored_states: modules (and, in ``ignored_states``, parameters) left whole on every rank,
             their gradients not reduced, as with torch's FSDP.

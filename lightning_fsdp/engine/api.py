@@ -70,7 +70,8 @@ def fully_shard(
         cpu_offload: keep the shards and their gradients in CPU memory (the optimizer steps there); each unshard
             copies the shard to the compute device first. On a CPU-only run it changes nothing.
         device: where a meta-device model is materialised; the current CUDA device under NCCL, else the CPU.
-        param_init_fn: initialises one materialised module's own tensors; ``reset_parameters()`` when None.
+        param_init_fn: initialises one materialised module's own tensors; ``reset_parameters()`` when None. As in
+            torch's FSDP, only modules with tensors on the meta device are materialised, so it is not called otherwise.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding, so every rank starts equal.
             Without it they are compared first and broadcast only where some rank built other values (an unseeded
             script), as DDP makes every rank start from rank 0's; other names, shapes, dtypes or units are refused

@@ -136,6 +136,7 @@ def fully_shard(
         _cast_buffers(module, options.mixed_precision.buffer_dtype)
     for unit in existing_units:
         unit.leave_root()  # the new root claims them at its first forward
+    hooks.guard_ungathered_calls(unit_of(module))
     _mark_fsdp_managed(module)
     return module
 

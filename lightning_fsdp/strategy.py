@@ -51,7 +51,7 @@ from typing_extensions import override
 from lightning_fsdp.averaging.unsupported import refuse_unsharded_averaging
 from lightning_fsdp.checkpoint.atomic import check_destination, remove, tensor_bytes
 from lightning_fsdp.checkpoint.callback_tensors import (
-    CALLBACKS,
+    CALLBACK_TENSORS,
     callback_tensor_targets,
     gather_callback_tensors,
     pop_callback_tensors,
@@ -474,7 +474,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
                 state[f"optimizer_{index}"] = optimizer_state
             if callback_tensors := pop_callback_tensors(checkpoint):
-                state[CALLBACKS] = callback_tensors
+                state[CALLBACK_TENSORS] = callback_tensors
             save_sharded(filepath, state, checkpoint)
             return
         gather_callback_tensors(checkpoint)

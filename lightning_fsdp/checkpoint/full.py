@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.atomic import tensor_bytes, write_file_atomically
-from lightning_fsdp.checkpoint.callback_tensors import check_full_callback_tensors
+from lightning_fsdp.checkpoint.callback_tensors import check_full_callback_tensors, fold_callback_tensors
 from lightning_fsdp.checkpoint.optimizer_check import check_optimizer_fits, optimizers_restored_on_error
 from lightning_fsdp.checkpoint.safe_load import load_torch_file
 from lightning_fsdp.engine.param import FSDPParam
@@ -156,6 +156,7 @@ def load_full_state(
     """``load_full_checkpoint`` of a checkpoint already read from ``path`` (which names it in messages); a file in
     ``fabric.save``'s layout is put into the Trainer's first (see ``as_trainer_layout``)."""
     as_trainer_layout(checkpoint)
+    fold_callback_tensors(checkpoint)  # a file Lightning consolidated from our sharded folder
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
         raise ValueError(f"{path} is not a Lightning checkpoint: it has no 'state_dict'; pass a .ckpt a Trainer saved.")
     if is_trainable_only(checkpoint):

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.atomic import atomic_directory, tensor_bytes
-from lightning_fsdp.checkpoint.callback_tensors import CALLBACKS, merge_callback_tensors, recorded_callback_tensors
+from lightning_fsdp.checkpoint.callback_tensors import merge_callback_tensors, recorded_callback_tensors
 from lightning_fsdp.checkpoint.full import check_no_unexpected, is_trainable_only
 from lightning_fsdp.checkpoint.optimizer_check import check_optimizer_fits, optimizers_restored_on_error
 from lightning_fsdp.checkpoint.safe_load import dcp_load_planner, dcp_reader, load_torch_file, read_dcp_metadata
@@ -95,9 +95,8 @@ def load_sharded(
             f"{len(optimizers)} optimizer(s); resume with the configure_optimizers the checkpoint was trained with."
         )
     target: dict[str, Any] = {"model": sharded_state_dict(module)}
-    callbacks = recorded_callback_tensors(metadata, callback_tensors or {}, path)
-    if callbacks:
-        target[CALLBACKS] = callbacks
+    recorded = recorded_callback_tensors(metadata, callback_tensors or {}, path)
+    target.update(recorded)
     if not strict:
         target["model"] = {k: v for k, v in target["model"].items() if f"model.{k}" in metadata.state_dict_metadata}
     with optimizers_restored_on_error(optimizers):
@@ -116,7 +115,8 @@ def load_sharded(
     write_back_scalars(module, target["model"], optimizer_states)
     for index, optimizer in enumerate(optimizers):
         apply_optimizer_hyperparameters(optimizer, target[f"optimizer_{index}"]["param_groups"])
-    merge_callback_tensors(meta, callbacks)
+    for callbacks in recorded.values():
+        merge_callback_tensors(meta, callbacks)
     return meta
 
 

@@ -104,7 +104,7 @@ def test_ema_memory_per_rank_is_its_shard(results: dict[str, Any]) -> None:
             assert all(0 < m["shard_numel"] < m["model_numel_local"] / 10 for m in memory), memory
 
 
-@pytest.mark.parametrize("form", ["sharded", "full"])
+@pytest.mark.parametrize("form", ["sharded", "full", "consolidated"])
 def test_a_resumed_run_ends_with_the_uninterrupted_average(results: dict[str, Any], form: str) -> None:
     resumed = results[f"resumed_{form}"]
     assert resumed["updates"] == 3

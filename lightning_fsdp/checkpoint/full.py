@@ -164,7 +164,8 @@ def load_full_state(
         strict = False
     check_keys_and_shapes(module.state_dict(keep_vars=True), checkpoint["state_dict"], strict, full_shapes=True)
     check_full_callback_tensors(checkpoint, callback_tensors or {}, path)
-    saved_optimizers = checkpoint.pop("optimizer_states", [])
+    # Name-keyed states (a file Lightning consolidated from a sharded folder) in the positional form, with names.
+    saved_optimizers = [positional_optimizer_state(state) for state in checkpoint.pop("optimizer_states", [])]
     if optimizers and len(saved_optimizers) != len(optimizers):
         raise ValueError(
             f"the checkpoint at {path} holds {len(saved_optimizers)} optimizer state(s) but the model has "

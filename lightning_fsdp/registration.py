@@ -63,7 +63,8 @@ def register_now() -> None:
 class ClassOnFirstRead(dict):
     """A registry entry as ``_StrategyRegistry.register`` writes it (``strategy``, ``strategy_name``, ``description``,
     ``init_params``) whose ``strategy``, the class, is imported when first read, if its module has not filled it in
-    already: ``registry[name]["strategy"]`` is the class, as for Lightning's own strategies."""
+    already: ``registry[name]["strategy"]`` is the class, as for Lightning's own strategies. Until that first read
+    (or the module's import) the key is not stored, so ``entry.get("strategy")`` alone would give None."""
 
     def __init__(self, module: str, class_name: str, name: str, description: str, init_params: dict[str, Any]):
         super().__init__(strategy_name=name, description=description, init_params=init_params)

@@ -8,7 +8,7 @@ A keyword outside that set is refused here with the list of what is accepted.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
@@ -27,6 +27,21 @@ TORCH_FSDP_KEYWORDS = (
     "ignored_modules",
     "ignored_states",
 )
+# What each keyword Lightning's strategy keeps in ``strategy.kwargs`` defaults to when it is not given: the defaults of
+# FSDPStrategy's and FabricFSDPStrategy's signatures (a test holds them equal).
+TORCH_FSDP_DEFAULTS: dict[str, Any] = {
+    "auto_wrap_policy": None,
+    "device_mesh": None,
+    "process_group": None,
+    "backward_prefetch": "BACKWARD_PRE",
+    "forward_prefetch": False,
+    "limit_all_gathers": True,
+    "sync_module_states": False,
+    "param_init_fn": None,
+    "device_id": None,
+    "ignored_modules": None,
+    "ignored_states": None,
+}
 # Names users carry over from older torch-FSDP code that FSDPStrategy does not take, with what to pass instead.
 _NO_MEANING = {
     "policy": "it is torch's old name for auto_wrap_policy; pass auto_wrap_policy instead",
@@ -91,3 +106,46 @@ def split_ignored(
     if ignored_modules is not None and params:
         raise ValueError("ignored_modules holds parameters; pass parameters through ignored_states instead.")
     return modules, params
+
+
+class TorchFSDPKeywords(Mapping[str, Any]):
+    """``strategy.kwargs`` as Lightning's ``FSDPStrategy`` fills it: the torch-FSDP keywords the user gave (as given),
+    ``auto_wrap_policy`` and ``device_mesh`` when set, and ``use_orig_params`` always.
+
+    Read-only: code written for Lightning's strategy reads it (``strategy.kwargs["use_orig_params"]``); the strategy
+    itself runs on its attributes of the same names, so a write here would change nothing and is refused instead.
+    """
+
+    def __init__(self, given: Mapping[str, Any]) -> None:
+        self._keywords = dict(given)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._keywords[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keywords)
+
+    def __len__(self) -> int:
+        return len(self._keywords)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        raise TypeError(
+            f"strategy.kwargs is read-only; pass {name}= to the strategy's constructor instead of setting it here."
+        )
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError(f"strategy.kwargs is read-only; construct the strategy without {name}= instead.")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._keywords!r})"
+
+
+def torch_fsdp_keywords(values: Mapping[str, Any], use_orig_params: bool) -> TorchFSDPKeywords:
+    """The keywords of ``values`` (as given to the constructor) that differ from ``TORCH_FSDP_DEFAULTS``, plus
+    ``use_orig_params``: what Lightning's strategy holds, since it keeps only the keywords it was passed."""
+    given = {name: value for name, value in values.items() if not _is_default(value, TORCH_FSDP_DEFAULTS[name])}
+    return TorchFSDPKeywords({**given, "use_orig_params": use_orig_params})
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return value is default or (type(value) is type(default) and value == default)

@@ -6,16 +6,17 @@ Lightning, which the engine does not need. So the package's ``__init__`` calls `
 if ``lightning.pytorch`` is already imported the names are registered at once; otherwise a finder on
 ``sys.meta_path`` waits for ``lightning.pytorch`` to be imported and registers them right after its package has
 run, before any user code can look a name up (``Trainer`` and ``StrategyRegistry`` live under it; importing
-``lightning.fabric`` imports it too, through the ``lightning`` package). The registered entries are factories that
-import the strategies when a name is first used (see ``register_now``).
+``lightning.fabric`` imports it too, through the ``lightning`` package). The registered entries name the strategy
+classes, as Lightning registers its own, and import them when first read (see ``register_now``).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -32,34 +33,49 @@ STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def register_names(registry: Any, strategy: Callable[..., Any]) -> None:
-    """Register every name of ``STRATEGY_NAMES`` in a Lightning strategy registry; names already there are kept."""
+def register_names(registry: Any, strategy: type) -> None:
+    """Register every name of ``STRATEGY_NAMES`` in a Lightning strategy registry with the strategy class and its
+    arguments, as Lightning registers its own; names someone else registered are kept, ours get the class."""
     for name, (description, init_params) in STRATEGY_NAMES.items():
-        if name not in registry:
+        entry = dict.get(registry, name)  # the registry's own get() builds a strategy
+        if isinstance(entry, ClassOnFirstRead):
+            entry["strategy"] = strategy
+        elif entry is None:
             registry.register(name, strategy, description=description, **init_params)
 
 
 def register_now() -> None:
-    """Register factories, not the classes: this runs while Lightning is being imported, often because one of our
-    own Lightning-dependent modules is importing it and is itself half-initialised, so the strategy classes are
-    imported only when a Trainer or a Fabric asks for one by name."""
+    """Register entries that import their class when it is first read: this runs while Lightning is being imported,
+    often because one of our own Lightning-dependent modules is importing it and is itself half-initialised, so the
+    strategy modules cannot be imported yet. Each strategy module fills its entries in when it is imported."""
     from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    register_names(StrategyRegistry, _trainer_strategy)
-    register_names(FABRIC_STRATEGY_REGISTRY, _fabric_strategy)
+    for registry, (module, class_name) in (
+        (StrategyRegistry, ("lightning_fsdp.strategy", "FSDPStrategy")),
+        (FABRIC_STRATEGY_REGISTRY, ("lightning_fsdp.fabric.strategy", "FabricFSDPStrategy")),
+    ):
+        for name, (description, init_params) in STRATEGY_NAMES.items():
+            if name not in registry:
+                registry[name] = ClassOnFirstRead(module, class_name, name, description, init_params)
 
 
-def _trainer_strategy(**init_params: Any) -> Any:
-    from lightning_fsdp.strategy import FSDPStrategy
+class ClassOnFirstRead(dict):
+    """A registry entry as ``_StrategyRegistry.register`` writes it (``strategy``, ``strategy_name``, ``description``,
+    ``init_params``) whose ``strategy``, the class, is imported when first read, if its module has not filled it in
+    already: ``registry[name]["strategy"]`` is the class, as for Lightning's own strategies. Until that first read
+    (or the module's import) the key is not stored, so ``entry.get("strategy")`` alone would give None."""
 
-    return FSDPStrategy(**init_params)
+    def __init__(self, module: str, class_name: str, name: str, description: str, init_params: dict[str, Any]):
+        super().__init__(strategy_name=name, description=description, init_params=init_params)
+        self._class_path = (module, class_name)
 
-
-def _fabric_strategy(**init_params: Any) -> Any:
-    from lightning_fsdp.fabric import FabricFSDPStrategy
-
-    return FabricFSDPStrategy(**init_params)
+    def __missing__(self, key: str) -> Any:
+        if key != "strategy":
+            raise KeyError(key)
+        module, class_name = self._class_path
+        self[key] = getattr(importlib.import_module(module), class_name)
+        return self[key]
 
 
 def register_when_lightning_loads() -> None:

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_fsdp.engine import MixedPrecision, apply_activation_checkpointing, fully_shard
+from lightning_fsdp.engine.deferred_init import has_meta_tensors
 from lightning_fsdp.engine.options import (
     ShardingStrategy,
     parse_backward_prefetch,
@@ -32,7 +33,7 @@ from lightning_fsdp.engine.options import (
 )
 from lightning_fsdp.engine.policies import as_wrap_policy, module_classes, repeated_block_class, select_unit_modules
 from lightning_fsdp.engine.registry import unit_of
-from lightning_fsdp.lightning_arguments import activation_checkpointing_alias, split_ignored
+from lightning_fsdp.lightning_arguments import activation_checkpointing_alias, split_ignored, torch_fsdp_keywords
 
 WrapPolicy = Callable[[nn.Module, bool, int], bool]
 # Strings first: a config parser (LightningCLI's jsonargparse) tries the members in order, and would otherwise take
@@ -124,6 +125,22 @@ class ShardedModelSetup(ABC):
         self.device_id = device_id
         self._hybrid_mesh = None  # fixed in setup_environment
         self.trust_checkpoint = flag("trust_checkpoint", trust_checkpoint)
+        self.kwargs = torch_fsdp_keywords(
+            {
+                "auto_wrap_policy": auto_wrap_policy,
+                "device_mesh": device_mesh,
+                "process_group": process_group,
+                "backward_prefetch": backward_prefetch,
+                "forward_prefetch": forward_prefetch,
+                "limit_all_gathers": limit_all_gathers,
+                "sync_module_states": sync_module_states,
+                "param_init_fn": param_init_fn,
+                "device_id": device_id,
+                "ignored_modules": ignored_modules,
+                "ignored_states": ignored_states,
+            },
+            self.use_orig_params,
+        )
 
     @abstractmethod
     def _precision_engine_policy(self) -> MixedPrecision | None:
@@ -157,6 +174,8 @@ class ShardedModelSetup(ABC):
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         """Shard ``model`` in place (names and structure unchanged), then apply activation checkpointing."""
+        if self.param_init_fn is not None and not has_meta_tensors(model):
+            rank_zero_warn(unused_param_init_fn(model))
         fully_shard(
             model,
             self._wrap_policy(model),
@@ -218,6 +237,17 @@ class ShardedModelSetup(ABC):
         if self.mixed_precision is not None:
             return MixedPrecision.coerce(self.mixed_precision)
         return self._precision_engine_policy()
+
+
+def unused_param_init_fn(model: nn.Module) -> str:
+    """Why ``param_init_fn`` is not called for ``model``: as in torch's FSDP, it initialises only modules materialised
+    from the meta device, and ``configure_model`` builds on the real device unless an empty init is asked for."""
+    return (
+        f"param_init_fn is not called: no parameter or buffer of {type(model).__name__} is on the meta device, and, as "
+        "in torch's FSDP, it initialises only modules materialised from there; build the model on the meta device "
+        "(FSDPStrategy(empty_init=True) or trainer.init_module(empty_init=True) with the layers made in "
+        "configure_model; under Fabric, fabric.init_module(empty_init=True)) or initialise it before setup."
+    )
 
 
 def default_policy(model: nn.Module) -> set[type[nn.Module]] | None:

@@ -40,7 +40,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
@@ -53,7 +53,7 @@ from typing_extensions import override
 from lightning_fsdp.averaging.unsupported import refuse_unsharded_averaging
 from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_rank, remove, tensor_bytes
 from lightning_fsdp.checkpoint.callback_tensors import (
-    CALLBACKS,
+    CALLBACK_TENSORS,
     callback_tensor_targets,
     gather_callback_tensors,
     pop_callback_tensors,
@@ -121,8 +121,10 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         forward_prefetch: gather the next unit in forward order ahead of time.
         limit_all_gathers: at most two units gathered ahead of their use.
         sync_module_states: broadcast rank 0's parameters and buffers at setup.
-        param_init_fn: initializes a module materialized from the meta device, instead of replaying the
-            recorded build (or, where that cannot be replayed, its ``reset_parameters()``).
+        param_init_fn: initializes a module materialized from the meta device (``empty_init=True``), instead of
+            replaying the recorded build (or, where that cannot be replayed, its ``reset_parameters()``). As in
+            torch's FSDP it is not called for modules built on a real device; when nothing is on the meta device a
+            warning says so.
         process_group: the ranks to shard over (torch's keyword); the whole world by default.
         ignored_modules, ignored_states: modules (and, in ``ignored_states``, parameters) left whole on every rank,
             their gradients not reduced, as with torch's FSDP.
@@ -146,7 +148,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             removal; ``trainer.save_checkpoint(..., storage_options=)`` adds to them for one save. See
             ``checkpoint/remote.py``.
         **kwargs: anything else is refused with a sentence: the torch-FSDP keywords Lightning forwards are all
-            named arguments above.
+            named arguments above. As in Lightning, ``strategy.kwargs`` holds those given (read-only).
     """
 
     strategy_name = "myfsdp"
@@ -324,7 +326,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
-        refuse_unsharded_averaging(trainer.callbacks)
+        refuse_unsharded_averaging(trainer.callbacks, self.world_size)
         self.accelerator.setup(trainer)
         self._check_device_id()
         if unit_of(self._module()) is None:
@@ -497,7 +499,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
                 state[f"optimizer_{index}"] = optimizer_state
             if callback_tensors := pop_callback_tensors(checkpoint):
-                state[CALLBACKS] = callback_tensors
+                state[CALLBACK_TENSORS] = callback_tensors
             save_sharded(filepath, state, checkpoint, self._storage_options(storage_options))
             return
         gather_callback_tensors(checkpoint)
@@ -627,3 +629,4 @@ def _weights_only_given_to_the_trainer() -> bool | None:
 
 accept_compiled_modules(FSDPStrategy)
 resolve_remote_last(FSDPStrategy)
+FSDPStrategy.register_strategies(StrategyRegistry)  # the registry's entries for our names: this class

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fsdp import fully_shard
+from lightning_fsdp import fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block
+from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT
 
 
@@ -102,3 +103,42 @@ def test_the_strategy_and_fully_shard_refuse_a_bad_value_alike(engine_kwargs: di
         FSDPStrategy(**strategy_kwargs)
     assert type(from_engine.value) is type(from_strategy.value)
     assert str(from_strategy.value).replace("auto_wrap_policy", "policy") == str(from_engine.value)
+
+
+class _Holder(nn.Module):
+    """A LightningModule's shape: the root unit holds the GPT as a child and its forward (the step) calls it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = GPT(TINY_GPT)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+
+def _call_submodules_outside_the_forward(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    holder = fully_shard(_Holder(), {Block})
+    tokens = torch.randint(0, TINY_GPT.vocab_size, (2, 8))
+    holder(tokens).float().square().mean().backward()  # a training step: the root is resharded at its end
+    with pytest.raises(RuntimeError) as error:
+        holder.model(tokens)  # a callback's ``pl_module.model(x)``
+    message = str(error.value)
+    assert message.startswith("GPT `model` was called on its own while the sharded unit it belongs to (_Holder)")
+    assert "call the sharded _Holder itself" in message and "summon_full_params" in message, message
+    with torch.no_grad():
+        expected = holder(tokens)  # a no-grad forward reshards the root at its end too
+        with pytest.raises(RuntimeError, match="GPT `model` was called on its own"):
+            holder.model(tokens)
+        with summon_full_params(holder, writeback=False):
+            assert torch.equal(holder.model(tokens), expected)
+    gpt = fully_shard(GPT(TINY_GPT), {Block})  # fully_shard's module is the root: its own children are guarded
+    with pytest.raises(
+        RuntimeError, match="Linear `lm_head` was called on its own .* sharded unit it belongs to \\(GPT\\)"
+    ):
+        gpt.lm_head(torch.zeros(2, TINY_GPT.n_embd))
+    gpt.blocks[0](torch.zeros(1, 4, TINY_GPT.n_embd))  # a unit of its own gathers itself
+
+
+def test_a_submodule_called_outside_the_sharded_forward_is_refused_with_a_sentence() -> None:
+    run_distributed(_call_submodules_outside_the_forward, 2)

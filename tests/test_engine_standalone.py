@@ -27,6 +27,7 @@ assert {LIGHTNING_MODULES} == [], "import lightning_fsdp alone imports no Lightn
 from lightning_fsdp import FSDPStrategy  # loads Lightning from inside our own module: registers without a cycle
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
+assert all(StrategyRegistry[name]["strategy"] is FSDPStrategy for name in ("myfsdp", "myfsdp_cpu_offload"))
 for name, strategy, cpu_offload in (("myfsdp", "FULL_SHARD", False), ("myfsdp_shard_grad_op", "SHARD_GRAD_OP", False),
                                     ("myfsdp_cpu_offload", "FULL_SHARD", True)):
     built = StrategyRegistry.get(name)
@@ -45,13 +46,26 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_fsdp import FabricFSDPStrategy, FSDPStrategy
 assert type(StrategyRegistry.get("myfsdp")) is FSDPStrategy
 assert type(STRATEGY_REGISTRY.get("myfsdp_cpu_offload")) is FabricFSDPStrategy
+assert StrategyRegistry["myfsdp"]["strategy"] is FSDPStrategy, "the class, as Lightning registers its own"
+assert STRATEGY_REGISTRY["myfsdp_cpu_offload"]["strategy"] is FabricFSDPStrategy
+assert STRATEGY_REGISTRY["myfsdp_cpu_offload"]["init_params"] == {"cpu_offload": True}
 """
 
 LIGHTNING_FIRST = """
 from lightning.pytorch.strategies import StrategyRegistry
 assert "myfsdp" not in StrategyRegistry
+import sys
 import lightning_fsdp
 assert "myfsdp" in StrategyRegistry, "registered at once when Lightning is already loaded"
+assert "lightning_fsdp.strategy" not in sys.modules
+registered = StrategyRegistry["myfsdp_shard_grad_op"]["strategy"]  # imports the class on first read
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch import Trainer
+from lightning_fsdp import FabricFSDPStrategy, FSDPStrategy
+assert registered is FSDPStrategy and STRATEGY_REGISTRY["myfsdp"]["strategy"] is FabricFSDPStrategy
+assert StrategyRegistry["myfsdp_shard_grad_op"]["init_params"] == {"sharding_strategy": "SHARD_GRAD_OP"}
+trainer = Trainer(strategy="myfsdp_cpu_offload", accelerator="cpu", devices=1, logger=False)
+assert isinstance(trainer.strategy, StrategyRegistry["myfsdp_cpu_offload"]["strategy"]) and trainer.strategy.cpu_offload
 """
 
 

@@ -3,13 +3,16 @@ created them), a ``load_state_dict`` into meta parameters is refused instead of 
 no initialiser writes (a buffer computed at ``__init__``, say) is refused or named, never left as garbage.
 
 In-process: materialization is a plain function of the module tree; the strategy's contexts need no process group.
+A ``param_init_fn`` given for a model with nothing on the meta device is named in a warning (a one-rank Trainer run).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from contextlib import nullcontext
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -18,6 +21,7 @@ from torch import nn
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.engine.deferred_init import check_initializable, materialize, track_meta_build
+from tests.distributed import run_distributed
 
 
 class TiedLM(nn.Module):
@@ -204,3 +208,39 @@ def test_configure_model_runs_on_the_real_device_by_default() -> None:
         module.weight.data.fill_(2.0)  # a custom init, kept
     assert module.weight.device.type == "cpu"
     assert bool((module.weight == 2.0).all())
+
+
+def _param_init_fn_runs(rank: int, world_size: int, out: str) -> None:
+    """One-rank Trainer runs with a counting ``param_init_fn``: eagerly built (not called, one warning) and with
+    ``empty_init=True`` (called for every materialised module, no warning)."""
+    from tests.scripts.strategy_common import LitGPT, make_trainer, token_loader
+
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", NODE_RANK="0")
+    results = {}
+    for empty_init in (False, True):
+        initialised: list[str] = []
+
+        def count(module: nn.Module, initialised: list[str] = initialised) -> None:
+            initialised.append(type(module).__name__)
+            module.reset_parameters()
+
+        strategy = FSDPStrategy(param_init_fn=count, empty_init=empty_init)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make_trainer(strategy, devices=1, max_steps=1).fit(LitGPT(in_configure_model=True), token_loader(2, 2))
+        unused = [str(w.message) for w in caught if "param_init_fn is not called" in str(w.message)]
+        results[empty_init] = {"initialised": initialised, "warnings": unused}
+    torch.save(results, Path(out) / "param_init_fn.pt")
+
+
+def test_param_init_fn_with_nothing_on_meta_is_named_in_a_warning(tmp_path: Path) -> None:
+    run_distributed(_param_init_fn_runs, 1, str(tmp_path), timeout=300)
+    results = torch.load(tmp_path / "param_init_fn.pt", weights_only=True)
+    eager, deferred = results[False], results[True]
+    assert eager["initialised"] == []
+    assert len(eager["warnings"]) == 1
+    message = eager["warnings"][0]
+    for fragment in ("no parameter or buffer of LitGPT is on the meta device", "empty_init=True", "configure_model"):
+        assert fragment in message, message
+    assert {"Linear", "LayerNorm"} <= set(deferred["initialised"])
+    assert deferred["warnings"] == []

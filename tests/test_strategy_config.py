@@ -3,6 +3,7 @@ raised when the strategy or the Trainer is built (or, for the mesh, before the p
 
 from __future__ import annotations
 
+import inspect
 import re
 from datetime import timedelta
 
@@ -12,8 +13,9 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 
 import lightning_fsdp
-from lightning_fsdp import FSDPPrecision, FSDPStrategy, MixedPrecision
+from lightning_fsdp import FabricFSDPStrategy, FSDPPrecision, FSDPStrategy, MixedPrecision
 from lightning_fsdp.demos.gpt import Block
+from lightning_fsdp.lightning_arguments import TORCH_FSDP_DEFAULTS
 
 
 def cpu_trainer(strategy: object, **kwargs: object) -> L.Trainer:
@@ -197,6 +199,31 @@ def test_lightning_arguments_are_checked(kwargs: dict, fragments: list[str]) -> 
     with pytest.raises(ValueError) as error:
         FSDPStrategy(**kwargs)
     assert_one_sentence(error, *fragments)
+
+
+@pytest.mark.parametrize("strategy_class", [FSDPStrategy, FabricFSDPStrategy])
+def test_kwargs_holds_the_torch_fsdp_keywords_given_as_lightning_keeps_them(strategy_class: type) -> None:
+    assert dict(strategy_class().kwargs) == {"use_orig_params": True}
+    assert strategy_class(use_orig_params=False).kwargs["use_orig_params"] is False
+    init_fn = lambda module: None  # noqa: E731
+    strategy = strategy_class(
+        auto_wrap_policy={Block}, limit_all_gathers=False, param_init_fn=init_fn, sharding_strategy="SHARD_GRAD_OP"
+    )
+    assert dict(strategy.kwargs) == {
+        "auto_wrap_policy": {Block},
+        "limit_all_gathers": False,
+        "param_init_fn": init_fn,
+        "use_orig_params": True,
+    }
+    assert strategy_class(sharding_strategy="HYBRID_SHARD", device_mesh=(1, 2)).kwargs["device_mesh"] == (1, 2)
+    with pytest.raises(TypeError, match="strategy.kwargs is read-only; pass limit_all_gathers= to the strategy"):
+        strategy.kwargs["limit_all_gathers"] = True
+
+
+@pytest.mark.parametrize("strategy_class", [FSDPStrategy, FabricFSDPStrategy])
+def test_the_kwargs_defaults_are_the_constructor_defaults(strategy_class: type) -> None:
+    parameters = inspect.signature(strategy_class).parameters
+    assert {name: parameters[name].default for name in TORCH_FSDP_DEFAULTS} == TORCH_FSDP_DEFAULTS
 
 
 def test_the_default_units_are_the_repeated_blocks(caplog: pytest.LogCaptureFixture) -> None:

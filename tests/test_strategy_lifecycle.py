@@ -98,3 +98,10 @@ def test_an_optimizer_built_before_sharding_is_refused_in_setup(results: Path) -
     message = json.loads((results / "early_optimizer.json").read_text())
     assert "built before FSDPStrategy sharded the model" in message
     assert "configure_optimizers" in message
+
+
+def test_a_callback_calling_the_inner_model_gets_a_sentence_not_an_index_error(results: Path) -> None:
+    message = json.loads((results / "submodule_in_a_callback.json").read_text())
+    assert message.startswith("GPT `model` was called on its own while the sharded unit it belongs to (LitGPT)")
+    assert "call the sharded LitGPT itself (under Lightning, the LightningModule)" in message
+    assert "summon_full_params" in message

@@ -1,23 +1,37 @@
 """Weight averaging under ``myfsdp``: ``ShardedEMA`` gives ddp's EMA at 1/W of the memory, in both checkpoint forms;
-``AveragedModel`` built before sharding gives ddp's average; Lightning's averaging callbacks are refused at setup.
+``AveragedModel`` built before sharding gives ddp's average; Lightning's averaging callbacks are refused at setup on two
+ranks and, on one, where nothing is sharded, average as under ddp.
 
-One spawned run of 2 gloo ranks (tests/scripts/weight_averaging.py) carries every Trainer run; the tests read what it
-wrote. The tolerance is the issue's: 1e-6 relative to the largest entry of the reference tensor.
+One spawned run of 2 gloo ranks (tests/scripts/weight_averaging.py) carries every Trainer run but the one-rank case; the
+tests read what it wrote. The tolerance is the issue's: 1e-6 relative to the largest entry of the reference tensor.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.load import _load_distributed_checkpoint
+from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_fsdp import ShardedEMA
-from lightning_fsdp.checkpoint.callback_tensors import SHARDED_TENSORS
+from lightning_fsdp.checkpoint.callback_tensors import (
+    CALLBACK_TENSORS,
+    CALLBACKS,
+    SHARDED_TENSORS,
+    recorded_callback_tensors,
+)
 from lightning_fsdp.checkpoint.convert import convert
+from lightning_fsdp.checkpoint.sharded import META_FILE
 from tests.distributed import run_distributed
-from tests.scripts.weight_averaging import run
+from tests.scripts.weight_averaging import run, run_one_rank
 
 RTOL = 1e-6
 WORLD_SIZE = 2
@@ -90,7 +104,7 @@ def test_ema_memory_per_rank_is_its_shard(results: dict[str, Any]) -> None:
             assert all(0 < m["shard_numel"] < m["model_numel_local"] / 10 for m in memory), memory
 
 
-@pytest.mark.parametrize("form", ["sharded", "full"])
+@pytest.mark.parametrize("form", ["sharded", "full", "consolidated"])
 def test_a_resumed_run_ends_with_the_uninterrupted_average(results: dict[str, Any], form: str) -> None:
     resumed = results[f"resumed_{form}"]
     assert resumed["updates"] == 3
@@ -153,3 +167,56 @@ def test_bad_arguments_are_refused_with_a_sentence() -> None:
         ShardedEMA(update_every=0)
     with pytest.raises(RuntimeError, match="has no model yet"):
         ShardedEMA().full_state_dict()
+
+
+def test_lightning_ema_is_allowed_on_one_rank_and_averages_as_under_ddp(tmp_path: Path) -> None:
+    run_distributed(run_one_rank, 1, str(tmp_path), timeout=300)
+    results = torch.load(tmp_path / "one_rank.pt", weights_only=False)
+    ddp, ours = results["ddp"], results["myfsdp"]
+    assert_close(ours["average"], ddp["average"], "EMAWeightAveraging's average, myfsdp vs ddp")
+    assert_close(ours["final"], ddp["final"], "the weights after fit (the average, copied in at the end)")
+    assert ours["val_loss"] and ours["val_loss"] == pytest.approx(ddp["val_loss"], rel=RTOL)
+    saved_ddp = torch.load(tmp_path / "ema_ddp.ckpt", weights_only=True)
+    saved_ours = torch.load(tmp_path / "ema_myfsdp.ckpt", weights_only=True)
+    for key in ("state_dict", "current_model_state"):
+        assert_close(saved_ours[key], saved_ddp[key], f"the checkpoint's {key}")
+
+
+def _consolidated_by_lightning(folder: Path) -> dict[str, Any]:
+    """What ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` writes for ``folder``."""
+    return _format_checkpoint(_load_distributed_checkpoint(folder))
+
+
+def _in_first_layout(folder: Path, dst: Path) -> Path:
+    """``folder`` rewritten as sharded folders were before the ``callback_tensors`` key: the averages under
+    ``callbacks.<state key>.<name>`` in the DCP part (read back whole, written by this one process)."""
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(folder), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    state[CALLBACKS] = state.pop(CALLBACK_TENSORS)
+    dcp.save(state, storage_writer=FileSystemWriter(dst), no_dist=True)
+    shutil.copy(folder / META_FILE, dst / META_FILE)
+    return dst
+
+
+def test_lightning_consolidation_keeps_the_sharded_average_and_both_layouts_convert(
+    out: Path, results: dict[str, Any], tmp_path: Path
+) -> None:
+    key = results["sharded"]["state_key"]
+    full = torch.load(out / "full_step3.ckpt", weights_only=True)["callbacks"][key]
+    consolidated = _consolidated_by_lightning(out / "sharded_step3.ckpt")
+    assert consolidated[CALLBACKS][key]["updates"] == 2  # meta.pt's counters, as before
+    averaged = consolidated[CALLBACK_TENSORS][key]  # beside them, no longer replaced by them
+    assert averaged.keys() == full[SHARDED_TENSORS].keys()
+    assert all(torch.equal(averaged[name], value) for name, value in full[SHARDED_TENSORS].items())
+    torch.save(consolidated, tmp_path / "consolidated.ckpt")
+    first_layout = _in_first_layout(out / "sharded_step3.ckpt", tmp_path / "first_layout.ckpt")
+    for label, src in (("consolidated", tmp_path / "consolidated.ckpt"), ("first layout", first_layout)):
+        convert(src, tmp_path / f"{label}.full.ckpt", "full", quiet=True)
+        converted = torch.load(tmp_path / f"{label}.full.ckpt", weights_only=True)["callbacks"][key]
+        assert converted["updates"] == 2, label
+        for name, value in full[SHARDED_TENSORS].items():
+            assert torch.equal(converted[SHARDED_TENSORS][name], value), f"{label}: {name}"
+    targets = {key: {name: torch.empty(v.shape) for name, v in full[SHARDED_TENSORS].items()}}
+    for folder, dcp_key in ((out / "sharded_step3.ckpt", CALLBACK_TENSORS), (first_layout, CALLBACKS)):
+        metadata = FileSystemReader(folder).read_metadata()
+        assert list(recorded_callback_tensors(metadata, targets, folder)) == [dcp_key]  # what a resume loads into

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_fsdp.checkpoint.callback_tensors import SHARDED_TENSORS
+from lightning_fsdp.checkpoint.callback_tensors import SHARDED_TENSORS, fold_callback_tensors
 from lightning_fsdp.checkpoint.full import local_rows
 from lightning_fsdp.engine.registry import fsdp_param_of
 from lightning_fsdp.engine.state_dict import as_dtensor, full_state_dict
@@ -177,6 +177,14 @@ class ShardedEMA(Callback):
         """The averaged rows by parameter name, as a sharded checkpoint holds them (and a sharded load fills them in
         place): DTensors aliasing each rank's rows. Allocates them if nothing did yet."""
         return {row.name: _as_saved(row) for row in self._ensure_rows()}
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A file Lightning consolidated from a sharded folder keeps the averages beside ``callbacks``; put them where
+        ``load_state_dict`` reads them (Lightning calls this first), under any strategy."""
+        fold_callback_tensors(checkpoint)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""Lightning's weight-averaging callbacks, refused under ``myfsdp`` before anything trains.
+"""Lightning's weight-averaging callbacks, refused under ``myfsdp`` on more than one rank before anything trains.
 
 ``WeightAveraging`` (and its ``EMAWeightAveraging``) and ``StochasticWeightAveraging`` copy the whole LightningModule
 in their ``setup``, before the strategy shards it, and then average that full copy against the model's parameters,
@@ -7,6 +7,9 @@ step, or at the SWA epoch) with torch's "The size of tensor a (61) must match th
 rank would hold the full model again, which is what sharding is for avoiding. ``ShardedEMA`` is the sharded EMA;
 a ``torch.optim.swa_utils.AveragedModel`` built in the LightningModule's ``__init__`` or ``configure_model`` is
 sharded with the model and averages shard against shard, which gives ddp's result (the README says how).
+
+On one rank nothing is sharded (each parameter's shard is the whole parameter), so the callbacks are allowed there and
+train and average as under Lightning's default strategy.
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ _ALTERNATIVES = {
 }
 
 
-def refuse_unsharded_averaging(callbacks: Iterable[Callback]) -> None:
-    """Raise ``ValueError`` naming the supported alternative if a callback averages an unsharded copy of the model."""
+def refuse_unsharded_averaging(callbacks: Iterable[Callback], world_size: int) -> None:
+    """Raise ``ValueError`` naming the supported alternative if a callback averages an unsharded copy of the model
+    against shards, which it does on more than one rank."""
+    if world_size == 1:
+        return
     for callback in callbacks:
         for kind, alternative in _ALTERNATIVES.items():
             if isinstance(callback, kind):

@@ -6,8 +6,14 @@ strategy as part of the checkpoint dict, which rank 0 alone would write; so the 
 
 - full form: every DTensor is gathered into a full tensor on rank 0's CPU, one at a time, so the file holds full
   tensors, which any world size (the callback takes its rows) and ``convert`` read;
-- sharded form: the dict moves into the DCP folder under ``callbacks.<state_key>.<name>``, each rank writing its
-  own rows as it does for optimizer state; ``meta.pt`` keeps the rest of the callback's state;
+- sharded form: the dict moves into the DCP folder under ``callback_tensors.<state_key>.<name>``, each rank writing
+  its own rows as it does for optimizer state; ``meta.pt`` keeps the rest of the callback's state under
+  ``callbacks``. The tensors' top-level key is not ``callbacks`` because Lightning's own consolidation
+  (``_load_distributed_checkpoint``, ``python -m lightning.pytorch.utilities.consolidate_checkpoint``) reads the
+  folder into one dict and then updates it with ``meta.pt``, whose ``callbacks`` would replace them. A consolidated
+  file therefore holds ``callback_tensors`` beside ``callbacks``, which ``fold_callback_tensors`` puts back into the
+  full form's place. Folders written before this layout hold the tensors under ``callbacks.<state_key>.<name>``;
+  loading and ``convert`` read both;
 - a full load: the file's tensors are checked against each callback's ``sharded_tensors()`` (names, full shapes)
   before anything is loaded; the callback takes its rows in its ``load_state_dict``;
 - a sharded load: each callback's ``sharded_tensors()`` (DTensors aliasing its rows) is the target DCP loads into, in
@@ -29,7 +35,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
 SHARDED_TENSORS = "sharded_tensors"  # the entry of a callback's state dict that holds its per-rank tensors
-CALLBACKS = "callbacks"  # Lightning's checkpoint key for callback states; the DCP folder's too
+CALLBACKS = "callbacks"  # Lightning's checkpoint key for callback states (and the DCP key of the first layout)
+CALLBACK_TENSORS = "callback_tensors"  # the DCP folder's key for them, and a Lightning-consolidated file's
+SAVED_UNDER = (CALLBACK_TENSORS, CALLBACKS)  # the DCP keys they may be under: this layout's, the first one's
 
 
 def gather_callback_tensors(checkpoint: dict[str, Any]) -> None:
@@ -67,14 +75,24 @@ def callback_tensor_targets(callbacks: Iterable[Any]) -> dict[str, dict[str, Ten
 
 def recorded_callback_tensors(
     metadata: Metadata, targets: Mapping[str, dict[str, Tensor]], path: Path
-) -> dict[str, dict[str, Tensor]]:
-    """The targets of the callbacks a sharded folder records, after checking their names and shapes against it."""
-    saved: dict[str, dict[str, tuple[int, ...]]] = {}
+) -> dict[str, dict[str, dict[str, Tensor]]]:
+    """The targets of the callbacks a sharded folder records, after checking their names and shapes against it,
+    under the DCP key the folder has them under (``SAVED_UNDER``), as ``dcp.load`` takes them."""
+    saved: dict[str, dict[str, dict[str, tuple[int, ...]]]] = {}
     for fqn, item in metadata.state_dict_metadata.items():
         parts = (metadata.planner_data or {}).get(fqn, ())
-        if len(parts) == 3 and parts[0] == CALLBACKS and hasattr(item, "size"):
-            saved.setdefault(parts[1], {})[parts[2]] = tuple(item.size)
-    return _fitting(saved, targets, path)
+        if len(parts) == 3 and parts[0] in SAVED_UNDER and hasattr(item, "size"):
+            saved.setdefault(parts[0], {}).setdefault(parts[1], {})[parts[2]] = tuple(item.size)
+    recorded = {key: _fitting(by_callback, targets, path) for key, by_callback in saved.items()}
+    return {key: tensors for key, tensors in recorded.items() if tensors}
+
+
+def fold_callback_tensors(checkpoint: dict[str, Any]) -> None:
+    """Put a Lightning-consolidated file's top-level ``callback_tensors`` back into each callback's state, in place,
+    where a full checkpoint keeps them (``callbacks[<state_key>]["sharded_tensors"]``); other files are unchanged."""
+    tensors = checkpoint.pop(CALLBACK_TENSORS, None) if isinstance(checkpoint, dict) else None
+    if isinstance(tensors, dict):
+        merge_callback_tensors(checkpoint, tensors)
 
 
 def check_full_callback_tensors(

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from lightning_fsdp.checkpoint.atomic import atomic_directory, tensor_bytes, write_file_atomically
-from lightning_fsdp.checkpoint.callback_tensors import CALLBACKS, merge_callback_tensors
+from lightning_fsdp.checkpoint.callback_tensors import SAVED_UNDER, fold_callback_tensors, merge_callback_tensors
 from lightning_fsdp.checkpoint.destination import refusal_to_replace
 from lightning_fsdp.checkpoint.full import as_trainer_layout, positional_optimizer_state, save_full_checkpoint
 from lightning_fsdp.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, lightning_prefix, write_hf_folder
@@ -82,12 +82,19 @@ def convert(
     elif to == "hf":
         _to_hf(src, dst, sharded, strip_prefix, show, trust, config, max_shard_bytes)
     elif to == "full":
-        checkpoint = _read_sharded(src, trust) if sharded else load_torch_file(src, trust, _OPT_IN)
+        checkpoint = _read_sharded(src, trust) if sharded else _read_full(src, trust)
         save_full_checkpoint(dst, checkpoint)
     else:
         if sharded:
             raise ValueError(f"{src} is already a sharded checkpoint; copy the folder, or convert it --to full.")
-        _full_to_sharded(load_torch_file(src, trust, _OPT_IN), src, dst)
+        _full_to_sharded(_read_full(src, trust), src, dst)
+
+
+def _read_full(src: Path, trust: bool) -> Any:
+    """A full file, with the callback tensors of one Lightning consolidated from a sharded folder in our place."""
+    checkpoint = load_torch_file(src, trust, _OPT_IN)
+    fold_callback_tensors(checkpoint)
+    return checkpoint
 
 
 def _to_safetensors(src: Path, dst: Path, sharded: bool, strip_prefix: str, show: Any, trust: bool) -> None:
@@ -179,7 +186,8 @@ def _read_sharded(src: Path, trust: bool) -> dict[str, Any]:
     checkpoint["state_dict"] = nested["model"]
     count = len([key for key in nested if key.startswith("optimizer_")])
     checkpoint["optimizer_states"] = [positional_optimizer_state(nested[f"optimizer_{i}"]) for i in range(count)]
-    merge_callback_tensors(checkpoint, nested.get(CALLBACKS, {}))  # full tensors, as a full save writes them
+    for key in SAVED_UNDER:  # full tensors, as a full save writes them
+        merge_callback_tensors(checkpoint, nested.get(key, {}))
     return checkpoint
 
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.atomic import tensor_bytes, write_file_atomically
-from lightning_fsdp.checkpoint.callback_tensors import check_full_callback_tensors
+from lightning_fsdp.checkpoint.callback_tensors import check_full_callback_tensors, fold_callback_tensors
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.optimizer_check import check_optimizer_fits, optimizers_restored_on_error
 from lightning_fsdp.checkpoint.remote import downloaded_once_per_host
@@ -165,6 +165,7 @@ def load_full_state(
     """``load_full_checkpoint`` of a checkpoint already read from ``path`` (which names it in messages); a file in
     ``fabric.save``'s layout is put into the Trainer's first (see ``as_trainer_layout``)."""
     as_trainer_layout(checkpoint)
+    fold_callback_tensors(checkpoint)  # a file Lightning consolidated from our sharded folder
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
         raise ValueError(f"{path} is not a Lightning checkpoint: it has no 'state_dict'; pass a .ckpt a Trainer saved.")
     if is_trainable_only(checkpoint):
@@ -172,7 +173,8 @@ def load_full_state(
         strict = False
     check_keys_and_shapes(module.state_dict(keep_vars=True), checkpoint["state_dict"], strict, full_shapes=True)
     check_full_callback_tensors(checkpoint, callback_tensors or {}, path)
-    saved_optimizers = checkpoint.pop("optimizer_states", [])
+    # Name-keyed states (a file Lightning consolidated from a sharded folder) in the positional form, with names.
+    saved_optimizers = [positional_optimizer_state(state) for state in checkpoint.pop("optimizer_states", [])]
     if optimizers and len(saved_optimizers) != len(optimizers):
         raise ValueError(
             f"the checkpoint at {path} holds {len(saved_optimizers)} optimizer state(s) but the model has "

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.atomic import atomic_directory, tensor_bytes
-from lightning_fsdp.checkpoint.callback_tensors import CALLBACKS, merge_callback_tensors, recorded_callback_tensors
+from lightning_fsdp.checkpoint.callback_tensors import merge_callback_tensors, recorded_callback_tensors
 from lightning_fsdp.checkpoint.full import check_no_unexpected, is_trainable_only
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.optimizer_check import check_optimizer_fits, optimizers_restored_on_error
@@ -125,9 +125,8 @@ def load_sharded(
             f"{len(optimizers)} optimizer(s); resume with the configure_optimizers the checkpoint was trained with."
         )
     target: dict[str, Any] = {"model": sharded_state_dict(module)}
-    callbacks = recorded_callback_tensors(metadata, callback_tensors or {}, path)
-    if callbacks:
-        target[CALLBACKS] = callbacks
+    recorded = recorded_callback_tensors(metadata, callback_tensors or {}, path)
+    target.update(recorded)
     if not strict:
         target["model"] = {k: v for k, v in target["model"].items() if f"model.{k}" in metadata.state_dict_metadata}
     with optimizers_restored_on_error(optimizers):
@@ -146,7 +145,8 @@ def load_sharded(
     write_back_scalars(module, target["model"], optimizer_states)
     for index, optimizer in enumerate(optimizers):
         apply_optimizer_hyperparameters(optimizer, target[f"optimizer_{index}"]["param_groups"])
-    merge_callback_tensors(meta, callbacks)
+    for callbacks in recorded.values():
+        merge_callback_tensors(meta, callbacks)
     return meta
 
 

@@ -74,6 +74,8 @@ def fully_shard(
         device: where a meta-device model is materialised; the current CUDA device under NCCL, else the CPU.
         param_init_fn: initialises one materialised module's own tensors. When None, a model built under
             ``track_meta_build()`` gets its recorded init replayed, any other its modules' ``reset_parameters()``.
+            As in torch's FSDP, only modules with tensors on the meta device are materialised, so it is not called
+            otherwise.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding, so every rank starts equal.
             Without it they are compared first and broadcast only where some rank built other values (an unseeded
             script), as DDP makes every rank start from rank 0's; other names, shapes, dtypes or units are refused
@@ -138,6 +140,7 @@ def fully_shard(
         _cast_buffers(module, options.mixed_precision.buffer_dtype)
     for unit in existing_units:
         unit.leave_root()  # the new root claims them at its first forward
+    hooks.guard_ungathered_calls(unit_of(module))
     _mark_fsdp_managed(module)
     install_load_hooks(module)  # module.load_state_dict takes full state dicts: see load_hooks.py
     return module

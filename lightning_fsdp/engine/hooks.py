@@ -63,6 +63,16 @@ does -- and, when none of its inputs needs a gradient (the first unit, whose inp
 callback. Which nodes can read a frozen parameter: one whose outputs are gradients of trainable parameters (it runs
 before their accumulation, so the count covers it) or of the unit's inputs (the input hook covers it). Units with
 every parameter trainable keep the count alone, so their reductions start as early as before.
+
+[Note: a submodule called while its unit is sharded] A unit gathers its parameters in its own forward, so a call
+straight into one of its submodules from outside (``pl_module.model(x)`` in a Lightning callback, whose root unit is
+the LightningModule) finds this rank's rows where the full tensors belong, and fails deep inside with whatever the
+op makes of the wrong shape (an embedding's bare ``IndexError``), or silently computes with the rows. The root unit
+therefore puts one forward pre-hook on each of its direct children that uses its sharded parameters (not on units,
+not deeper): it raises a sentence naming the unit and the fix when the root does not show its full parameters. That
+is a handful of cheap checks per step, at the root only: the root is what code outside the forward reaches into,
+and a hook on every submodule of every unit would tax each forward. A call into a non-root unit's submodule is not
+guarded. ``fully_shard`` on a parent makes a new root, and the old root's guards are removed.
 """
 
 from __future__ import annotations
@@ -82,7 +92,7 @@ from lightning_fsdp.engine.fingerprint import check_same_model
 from lightning_fsdp.engine.ledger import Ledger
 from lightning_fsdp.engine.module_buffers import broadcast_buffers
 from lightning_fsdp.engine.options import BackwardPrefetch
-from lightning_fsdp.engine.registry import units_under
+from lightning_fsdp.engine.registry import unit_of, units_under
 from lightning_fsdp.engine.transport import Transport, choose_transport
 from lightning_fsdp.engine.unit import FSDPUnit, PendingGradReduction, ShardState
 
@@ -356,6 +366,27 @@ def post_backward(unit: FSDPUnit) -> None:
     if unit.options.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         context.prefetch(context.neighbour(unit, -1))
     context.enqueue_reduction(unit.finish_backward())
+
+
+def guard_ungathered_calls(root: FSDPUnit) -> None:
+    """See [Note: a submodule called while its unit is sharded]."""
+    owners = {id(module) for fsdp_param in root.params if not fsdp_param.is_whole for module, _ in fsdp_param.owners}
+    handles = [
+        child.register_forward_pre_hook(lambda module, args, name=name: _refuse_if_sharded(root, module, name))
+        for name, child in root.module.named_children()
+        if unit_of(child) is None and any(id(m) in owners for m in child.modules())
+    ]
+    root.guard_calls(handles)
+
+
+def _refuse_if_sharded(unit: FSDPUnit, module: nn.Module, name: str) -> None:
+    if not unit.shows_full_params:
+        raise RuntimeError(
+            f"{type(module).__name__} `{name}` was called on its own while the sharded unit it belongs to "
+            f"({type(unit.module).__name__}) holds only this rank's rows of its parameters, which it gathers in its "
+            f"own forward; call the sharded {type(unit.module).__name__} itself (under Lightning, the LightningModule) "
+            "or make the call inside `with lightning_fsdp.summon_full_params(<the sharded model>):`."
+        )
 
 
 def install_hooks(unit: FSDPUnit) -> None:

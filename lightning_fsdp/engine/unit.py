@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.profiler import record_function
+from torch.utils.hooks import RemovableHandle
 
 from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, value_checksum
@@ -120,6 +121,7 @@ class FSDPUnit:
         # See [Note: post-backward of partly frozen units] in hooks.py.
         self.input_grads_pending = 0  # forwards of this step whose input gradients backward has yet to compute
         self.awaits_final_callback = False  # frozen parameters, no input needing a gradient: stage 6 finishes it
+        self._call_guards: list[RemovableHandle] = []  # see [Note: a submodule called while its unit is sharded]
 
     # ----- the state machine: every change of the fields above goes through these methods ------------------------
 
@@ -137,6 +139,18 @@ class FSDPUnit:
     def leave_root(self) -> None:
         """A later ``fully_shard`` call above this unit made a new root, which claims it at its first forward."""
         self.context, self.is_root = None, False
+        for handle in self._call_guards:  # the new root guards its own children; this unit's forward stays lean
+            handle.remove()
+        self._call_guards = []
+
+    def guard_calls(self, handles: list[RemovableHandle]) -> None:
+        """Keep the hooks that refuse calls into this unit's submodules while it is sharded, to remove them later."""
+        self._call_guards = handles
+
+    @property
+    def shows_full_params(self) -> bool:
+        """Whether its modules hold the full parameters now: gathered, or inside ``summon_full_params``."""
+        return self.shard_state is ShardState.UNSHARDED or self.summoned
 
     def set_requires_grad_sync(self, requires_grad_sync: bool) -> None:
         self.requires_grad_sync = requires_grad_sync

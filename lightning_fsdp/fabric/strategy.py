@@ -35,7 +35,7 @@ import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies import STRATEGY_REGISTRY, ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
@@ -93,7 +93,8 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         storage_options: for checkpoints at fsspec URLs (``s3://bucket/ckpt``): the keywords of the store's fsspec
             file system (``{"endpoint_url": ..., "key": ..., "secret": ...}`` for s3fs), for ``fabric.save`` and
             ``fabric.load``. See ``checkpoint/remote.py``.
-        **kwargs: anything else is refused with a sentence.
+        **kwargs: anything else is refused with a sentence; ``strategy.kwargs`` holds the torch-FSDP keywords given,
+            as Lightning's Trainer strategy keeps them (read-only).
     """
 
     strategy_name = "myfsdp"
@@ -512,3 +513,6 @@ def _refuse_stepped(optimizer: Optimizer) -> None:
 def _raise_refusal(refusal: str | None) -> None:
     if refusal is not None:
         raise OSError(errno.ENOSPC, refusal) if refusal.startswith("no space") else FileExistsError(refusal)
+
+
+FabricFSDPStrategy.register_strategies(STRATEGY_REGISTRY)  # the registry's entries for our names: this class

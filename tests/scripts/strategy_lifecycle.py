@@ -6,6 +6,8 @@
 - "resumed": fit 1 epoch, save a checkpoint, then a new Trainer and a fresh model resume from it for the second
   epoch (resumed.pt); it must land where "straight" did.
 - "early_optimizer": an optimizer built before sharding must stop fit in setup; rank 0 writes the message.
+- "submodule_in_a_callback": a callback calling ``pl_module.model(x)`` after a step (the root unit is sharded then)
+  must stop fit with the engine's sentence; rank 0 writes it.
 
 Usage: python tests/scripts/strategy_lifecycle.py OUT_DIR
 """
@@ -82,10 +84,26 @@ def early_optimizer() -> None:
         write_json(trainer, "early_optimizer.json", str(error))
 
 
+class CallsTheModel(L.Callback):
+    """Calls ``pl_module.model`` after a step, outside the LightningModule's forward, as a logging callback might."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, *_: Any):
+        pl_module.model(batch[:, :-1])
+
+
+def submodule_in_a_callback() -> None:
+    trainer = make_trainer(strategy(), max_steps=1, callbacks=[CallsTheModel()])
+    try:
+        trainer.fit(LitGPT(), token_loader(SAMPLES, batch_size=2))
+    except RuntimeError as error:
+        write_json(trainer, "submodule_in_a_callback.json", str(error))
+
+
 def main() -> None:
     straight()
     resumed()
     early_optimizer()
+    submodule_in_a_callback()  # last: the fit ends in the error
 
 
 if __name__ == "__main__":

@@ -10,11 +10,15 @@ what the test compares to OUT/results.pt:
   weights computed in one process alongside, snapshots of the model before / during / after each validation, the
   bytes each rank's EMA holds and its shard's size. At step 3 it saves both checkpoint forms. ``shard_grad_op``:
   the same under SHARD_GRAD_OP (parameters kept gathered from forward to backward), validation included.
-- ``resumed_sharded`` / ``resumed_full``: fresh runs resumed from those step-3 checkpoints, to step 6; and
+- ``resumed_sharded`` / ``resumed_full`` / ``resumed_consolidated``: fresh runs resumed from those step-3 checkpoints
+  (the last: the sharded one consolidated by Lightning's own tool), to step 6; and
   ``misfit_*``: the same checkpoints resumed with an EMA of other parameters, which must be refused untouched.
 - ``lora_ddp`` / ``lora``: a LoRA-adapted GPT (base frozen) holding a ``torch.optim.swa_utils.AveragedModel`` built in
   ``__init__``, under ddp and under ``myfsdp`` with ``ShardedEMA(trainable_only=True)`` beside it.
 - ``refused``: Lightning's three averaging callbacks under ``myfsdp``: the message, and whether the model changed.
+
+``run_one_rank`` is a run of its own on one rank, where nothing is sharded and Lightning's ``EMAWeightAveraging`` is
+allowed: against ddp on one rank.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 
 from lightning_fsdp import FSDPStrategy, ShardedEMA
@@ -192,6 +198,13 @@ def sharded_runs(out: Path, results: dict[str, Any]) -> None:
         trainer = fit(myfsdp(), [ema], ckpt_path=out / f"{form}_step3.ckpt", validation=False)
         results[f"resumed_{form}"] = {"export": ema.full_state_dict(), "updates": ema.updates}
         results[f"misfit_{form}"] = misfit_resume(out / f"{form}_step3.ckpt")
+    consolidated = out / "consolidated_step3.ckpt"  # what Lightning's consolidate_checkpoint makes of the folder
+    if dist.get_rank() == 0:
+        torch.save(_format_checkpoint(_load_distributed_checkpoint(out / "sharded_step3.ckpt")), consolidated)
+    dist.barrier()
+    ema = ShardedEMA(decay=DECAY, update_every=2)
+    fit(myfsdp(), [ema], ckpt_path=consolidated, validation=False)
+    results["resumed_consolidated"] = {"export": ema.full_state_dict(), "updates": ema.updates}
 
 
 def misfit_resume(checkpoint: Path) -> dict[str, Any]:
@@ -238,6 +251,29 @@ def refused_runs(results: dict[str, Any]) -> None:
         after = model.state_dict()
         unchanged = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
         results["refused"][type(callback).__name__] = {"message": message, "unchanged": unchanged}
+
+
+def one_rank_runs(out: Path) -> dict[str, Any]:
+    """Lightning's ``EMAWeightAveraging`` on one rank, where nothing is sharded, under ddp and under ``myfsdp``: the
+    average, the validation losses (computed with it), the final weights and the saved checkpoints. The reference is
+    ddp on one rank rather than the single-device default, which feeds the batches through no distributed sampler
+    and so trains on other data."""
+    results: dict[str, Any] = {}
+    for label, strategy in (("ddp", "ddp"), ("myfsdp", FSDPStrategy(auto_wrap_policy={Block}))):
+        ema, probe = EMAWeightAveraging(decay=DECAY, update_every_n_steps=2, use_buffers=False), ValidationProbe()
+        trainer = fit(strategy, [probe, ema])
+        trainer.save_checkpoint(out / f"ema_{label}.ckpt")
+        results[label] = {
+            "average": {name: p.detach().clone() for name, p in ema._average_model.module.named_parameters()},
+            "val_loss": [record["val_loss"] for record in probe.records],
+            "final": weights(trainer),
+        }
+    return results
+
+
+def run_one_rank(rank: int, world_size: int, out: str) -> None:
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", NODE_RANK="0")
+    torch.save(one_rank_runs(Path(out)), Path(out) / "one_rank.pt")
 
 
 def run(rank: int, world_size: int, out: str) -> None:

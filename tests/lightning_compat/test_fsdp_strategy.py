@@ -6,7 +6,6 @@ construct a strategy run here, in-process. Mechanical changes in this file:
 
 - ``from lightning.pytorch.strategies import FSDPStrategy`` -> ``from lightning_fsdp import FSDPStrategy``; its
   precision plugin -> ``lightning_fsdp.FSDPPrecision``.
-- ``strategy.kwargs[...]`` (what Lightning forwards to torch's FSDP) -> the strategy's attribute of the same name.
 - ``strategy.sharding_strategy`` is the strategy's name as a string, compared with torch's enum member's ``.name``.
 - ``strategy.cpu_offload`` is a bool, compared with the ``offload_params`` of torch's ``CPUOffload``.
 - Expected error messages: ours, each a sentence naming the argument (wording differs on purpose, one line each).
@@ -198,7 +197,7 @@ def test_hybrid_shard_configuration(sharding_strategy: str) -> None:
 
     strategy = FSDPStrategy(sharding_strategy=sharding_strategy, device_mesh=(1, 2))
     assert strategy.sharding_strategy == sharding_strategy
-    assert strategy.device_mesh == (1, 2)
+    assert strategy.kwargs["device_mesh"] == (1, 2)
 
     with pytest.raises(ValueError, match="process_group.* device_mesh=.* are mutually exclusive"):
         FSDPStrategy(sharding_strategy=sharding_strategy, process_group=Mock(), device_mesh=(1, 2))
@@ -206,8 +205,10 @@ def test_hybrid_shard_configuration(sharding_strategy: str) -> None:
 
 def test_use_orig_params() -> None:
     # deliberate: accepted either way; our parameters always keep their names (torch's use_orig_params=True).
-    assert FSDPStrategy().use_orig_params
-    assert not FSDPStrategy(use_orig_params=False).use_orig_params
+    strategy = FSDPStrategy()
+    assert strategy.kwargs["use_orig_params"]
+    strategy = FSDPStrategy(use_orig_params=False)
+    assert not strategy.kwargs["use_orig_params"]
 
 
 def test_save_checkpoint_storage_options(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -51,6 +52,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.averaging.unsupported import refuse_unsharded_averaging
+from lightning_fsdp.checkpoint.async_save import BackgroundSaver
 from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_rank, remove, tensor_bytes
 from lightning_fsdp.checkpoint.callback_tensors import (
     CALLBACKS,
@@ -145,6 +147,12 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             file system (``{"endpoint_url": ..., "key": ..., "secret": ...}`` for s3fs), for every save, load and
             removal; ``trainer.save_checkpoint(..., storage_options=)`` adds to them for one save. See
             ``checkpoint/remote.py``.
+        async_save: write checkpoints in the background while training goes on. Sharded: this rank's shards and
+            optimizer state are copied to CPU memory at the save (what blocks training; one copy at most) and written
+            by a thread, one save in flight at most, the next waiting for it; a failure is raised at the next save or
+            at teardown, which waits for the last write (``checkpoint/async_save.py``); local paths only. Full: the
+            ``checkpoint_io`` plugin wrapped in Lightning's ``AsyncCheckpointIO``. ``Trainer(plugins=
+            [AsyncCheckpointIO()])`` makes sharded saves asynchronous the same way.
         **kwargs: anything else is refused with a sentence: the torch-FSDP keywords Lightning forwards are all
             named arguments above.
     """
@@ -183,6 +191,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         trust_checkpoint: bool = False,
         save_trainable_only: bool = False,
         storage_options: dict[str, Any] | None = None,
+        async_save: bool = False,
         **kwargs: Any,
     ) -> None:
         refuse_unknown_keywords(kwargs)
@@ -219,6 +228,10 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         self.empty_init = flag("empty_init", empty_init)
         self.sync_grads_each_micro_batch = flag("sync_grads_each_micro_batch", sync_grads_each_micro_batch)
         self.save_trainable_only = flag("save_trainable_only", save_trainable_only)
+        self.async_save = flag("async_save", async_save)
+        self._background: BackgroundSaver | None = None  # made at the first background save
+        self._saves_complete_on_return = False
+        self._ending_with_exception = False
         self._atomic_io: tuple[CheckpointIO, CheckpointIO] | None = None  # (the plugin, it made atomic)
         self._deferred_signals: DeferredSignals | None = None
         if storage_options is not None and not isinstance(storage_options, dict):
@@ -498,6 +511,9 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
                 state[f"optimizer_{index}"] = optimizer_state
             if callback_tensors := pop_callback_tensors(checkpoint):
                 state[CALLBACKS] = callback_tensors
+            if self._saves_sharded_in_background():
+                self._save_in_background(filepath, state, checkpoint)
+                return
             save_sharded(filepath, state, checkpoint, self._storage_options(storage_options))
             return
         gather_callback_tensors(checkpoint)
@@ -520,6 +536,31 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         # rank 0 wrote alone: every rank learns how it went (a URL stays a string: no local disk to have run full)
         raise_on_every_rank(failure, str(filepath) if is_remote(filepath) else Path(filepath))
 
+    def _saves_sharded_in_background(self) -> bool:
+        return self.async_save or isinstance(self.checkpoint_io, AsyncCheckpointIO)
+
+    def _save_in_background(self, filepath: _PATH, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        if is_remote(filepath):
+            raise ValueError(
+                f"asynchronous sharded saves write to local paths only, not {filepath}; save to a local folder, or "
+                "drop async_save (and AsyncCheckpointIO) to save to a store."
+            )
+        if self._background is None:
+            self._background = BackgroundSaver(self._timeout)
+        self._background.save(filepath, state, meta)
+        if self._saves_complete_on_return:
+            self._background.wait()
+
+    @contextmanager
+    def saves_complete_on_return(self) -> Generator[None, None, None]:
+        """Inside this, a background save is waited for before ``save_checkpoint`` returns: a save after which the
+        process may end at once (SLURM's requeue, see ``preemption.py``)."""
+        self._saves_complete_on_return = True
+        try:
+            yield
+        finally:
+            self._saves_complete_on_return = False
+
     def _storage_options(self, given: Any | None) -> dict[str, Any] | None:
         """The strategy's ``storage_options`` with those given to one call on top."""
         return {**(self.storage_options or {}), **(given or {})} or None
@@ -528,7 +569,8 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         """``self.checkpoint_io`` made atomic, built once per plugin (an async one keeps its background thread)."""
         io = self.checkpoint_io
         if self._atomic_io is None or self._atomic_io[0] is not io:
-            self._atomic_io = (io, atomic_checkpoint_io(io))
+            in_background = self.async_save and not isinstance(io, AsyncCheckpointIO)
+            self._atomic_io = (io, atomic_checkpoint_io(AsyncCheckpointIO(io) if in_background else io))
         return self._atomic_io[1]
 
     @override
@@ -536,7 +578,15 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         """Delete our checkpoint at ``filepath`` (``ModelCheckpoint``'s rotation); at a URL, only our own objects.
 
         Locally, rank 0 removes a full file and every rank that sees a sharded folder there removes it: ranks that
-        share no disk each published their own (see [Note: ranks that share no disk] in ``checkpoint/atomic.py``)."""
+        share no disk each published their own (see [Note: ranks that share no disk] in ``checkpoint/atomic.py``).
+        While a background save is in flight the removal waits for it and happens only if it succeeds: the checkpoint
+        being removed is the one the new save replaces."""
+        if self._background is not None:
+            self._background.remove_later(lambda: self._remove_now(filepath))
+            return
+        self._remove_now(filepath)
+
+    def _remove_now(self, filepath: _PATH) -> None:
         if self.is_global_zero and is_remote(filepath):
             left = remove_remote(filepath, self.storage_options)
             if left is not None:
@@ -586,11 +636,20 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
     # ----- the end --------------------------------------------------------------------------------------------------
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """The run ends with ``exception``: teardown then reports a failed background save as a warning instead of
+        raising it over the exception already on its way."""
+        self._ending_with_exception = True
+
+    @override
     def teardown(self) -> None:
         """Release the plugins, but leave the model where it is (unlike the base class, which moves it to the CPU):
-        its parameters are shards tied to the engine's buffers, and ``.cpu()`` would split them apart."""
+        its parameters are shards tied to the engine's buffers, and ``.cpu()`` would split them apart.
+
+        A background save still in flight is waited for first; its failure is raised once everything is released."""
         assert self.cluster_environment is not None
         assert self.accelerator is not None
+        failure = self._background.close() if self._background is not None else None
         if self._deferred_signals is not None:
             self._deferred_signals.remove()
         self.cluster_environment.teardown()
@@ -599,6 +658,10 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         if self._atomic_io is not None:
             self._atomic_io[1].teardown()  # waits for a background save to finish
         self.checkpoint_io.teardown()
+        if failure is not None and self._ending_with_exception:
+            rank_zero_warn(f"{failure}", category=RuntimeWarning)
+        elif failure is not None:
+            raise failure
 
     @classmethod
     @override

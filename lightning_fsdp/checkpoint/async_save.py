@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from lightning_fsdp.checkpoint.atomic import refuse_on_every_rank, tensor_bytes
@@ -154,8 +155,7 @@ class BackgroundSaver:
 def _agreed_failure(failure: BaseException | None, path: Path, group: dist.ProcessGroup | None) -> BaseException | None:
     """The write's failure as every rank's writer will raise it (a collective on ``group``): the lowest failing rank's
     error in one sentence, an ``OSError`` with its errno where it had one (a full disk), else a ``RuntimeError``."""
-    rank = dist.get_rank(group) if group is not None else 0
-    mine = None if failure is None else _Outcome(rank, getattr(failure, "errno", None), _described(failure))
+    mine = None if failure is None else _outcome(failure, dist.get_rank(group) if group is not None else 0)
     outcomes = [mine]
     if group is not None:
         outcomes = [None] * dist.get_world_size(group)
@@ -163,7 +163,7 @@ def _agreed_failure(failure: BaseException | None, path: Path, group: dist.Proce
     failed = [outcome for outcome in outcomes if outcome is not None]
     if not failed:
         return None
-    first = failed[0]
+    first = min(failed, key=lambda outcome: outcome.rank)
     sentence = (
         f"the background save to {path} failed on rank {first.rank} ({first.error}); that checkpoint was not saved "
         "and the one its name held before is intact: fix the cause and save again."
@@ -173,7 +173,12 @@ def _agreed_failure(failure: BaseException | None, path: Path, group: dist.Proce
     return agreed
 
 
-def _described(failure: BaseException) -> str:
+def _outcome(failure: BaseException, rank: int) -> _Outcome:
+    """``failure`` as the rank it happened on and one line: DCP's ``CheckpointException`` (raised on every rank when
+    one fails) stands for the lowest rank in it that failed, and that rank's own error."""
+    if isinstance(failure, CheckpointException) and failure.failures:
+        rank = min(failure.failures)
+        failure = failure.failures[rank][0]
     if isinstance(failure, OSError) and failure.errno == errno.ENOSPC and failure.strerror:
-        return failure.strerror
-    return f"{type(failure).__name__}: {failure}"
+        return _Outcome(rank, failure.errno, failure.strerror)
+    return _Outcome(rank, getattr(failure, "errno", None), f"{type(failure).__name__}: {failure}")

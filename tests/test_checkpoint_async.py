@@ -99,6 +99,7 @@ def _fit(rank: int, out: Path, name: str, hold: bool = False, **strategy_options
     model = LitGPT()
     trainer.fit(model, token_loader(24, 2))
     assert not hold or release.seen == dict.fromkeys(release.seen, True) and release.seen, (rank, release.seen)
+    dist.barrier()  # every rank's teardown has run the removals of its last write
     assert sorted(p.name for p in dirpath.iterdir()) == ["step=6.ckpt"], (rank, list(dirpath.iterdir()))
     return full_state_dict(model)
 

@@ -8,6 +8,8 @@
 - A write that fails in the background (one rank's storage writer raises) is raised at the next save, the same
   sentence on every rank, and a removal asked for meanwhile is dropped, so the older checkpoint stays; a failure of
   the last write is raised by teardown.
+- Under Fabric (``FabricFSDPStrategy(async_save=True)``): a step runs while the write is held, the next save waits
+  for it, teardown for the last, and both checkpoints load back as they were at their saves.
 - A rank killed (SIGKILL) during its background write leaves the previous checkpoint under the name intact and
   loadable; the next save into the folder removes the killed write's temporary.
 """
@@ -35,7 +37,8 @@ from lightning_fsdp.engine.state_dict import full_state_dict
 from tests.distributed import run_distributed
 from tests.scripts.strategy_common import LitGPT, token_loader
 from tests.test_checkpoint_disks import _model, _train
-from tests.test_fabric import _as_launched_rank, _trainer
+from tests.test_cli_configs import CONFIGS, print_config
+from tests.test_fabric import TinyLit, _as_launched_rank, _trainer, adamw, gpt_batches, launch, train, weights
 
 
 class _HeldWriter(FileSystemWriter):
@@ -205,6 +208,42 @@ def test_a_rank_killed_during_the_background_write_leaves_the_previous_checkpoin
     run_distributed(_load_after_the_kill, 2, str(tmp_path), timeout=120)
 
 
+def _fabric_saves_in_the_background(rank: int, world_size: int, out_name: str) -> None:
+    """``fabric.save`` returns with the write held; the step after it changes the model, not the checkpoint; a
+    second save waits for the first; teardown waits for the last; both load back as they were saved."""
+    out = Path(out_name)
+    _as_launched_rank(rank, world_size)
+    sharded_module.FileSystemWriter = _HeldWriter
+    _HeldWriter.actions = [{"hold"}]
+    fabric = launch(FabricFSDPStrategy(async_save=True), world_size)
+    _, _, (model, optimizer) = train(fabric, TinyLit, gpt_batches(rank, steps=1))
+    fabric.save(out / "first", {"model": model, "optimizer": optimizer, "step": 1})
+    first = weights(model)
+    inputs, targets = gpt_batches(rank)[2][0]
+    fabric.backward(model(inputs, targets))  # a step while the first write is held
+    optimizer.step()
+    assert _HeldWriter.entered.wait(timeout=120) and not (out / "first").exists()
+    _HeldWriter.release.set()
+    fabric.save(out / "second", {"model": model, "optimizer": optimizer, "step": 2})
+    second = weights(model)
+    fabric.strategy.teardown()
+    for name, expected, step in (("first", first, 1), ("second", second, 2)):
+        torch.manual_seed(1)
+        other = TinyLit()
+        other, other_optimizer = fabric.setup(other, adamw(other))
+        state = {"model": other, "optimizer": other_optimizer, "step": 0}
+        fabric.load(out / name, state)
+        assert state["step"] == step
+        loaded = weights(other)
+        for key, value in expected.items():
+            torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=f"{name}: {key}")
+    assert not torch.equal(first["model.lm_head.weight"], second["model.lm_head.weight"])
+
+
+def test_fabric_saves_in_the_background(tmp_path: Path) -> None:
+    run_distributed(_fabric_saves_in_the_background, 2, str(tmp_path), timeout=300)
+
+
 def test_async_save_refusals_are_one_sentence() -> None:
     with pytest.raises(ValueError, match=r"async_save=True writes sharded checkpoints .* state_dict_type='sharded'"):
         FabricFSDPStrategy(async_save=True, state_dict_type="full")
@@ -212,3 +251,14 @@ def test_async_save_refusals_are_one_sentence() -> None:
         FSDPStrategy(async_save="yes")
     with pytest.raises(ValueError, match=r"^asynchronous sharded saves write to local paths only, not s3://b/k;"):
         FSDPStrategy(state_dict_type="sharded", async_save=True)._save_in_background("s3://b/k", {}, {})
+
+
+def test_the_cli_takes_async_save_as_a_typed_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flag = ["--config", str(CONFIGS / "demo.yaml"), "--trainer.strategy.init_args.async_save"]
+    print_config([*flag, "true"], monkeypatch)
+    assert "async_save: true" in capsys.readouterr().out
+    with pytest.raises(AssertionError):  # the CLI exits with an error status
+        print_config([*flag, "7"], monkeypatch)
+    assert "async_save" in capsys.readouterr().err

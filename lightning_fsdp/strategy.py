@@ -45,6 +45,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -150,9 +151,10 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         async_save: write checkpoints in the background while training goes on. Sharded: this rank's shards and
             optimizer state are copied to CPU memory at the save (what blocks training; one copy at most) and written
             by a thread, one save in flight at most, the next waiting for it; a failure is raised at the next save or
-            at teardown, which waits for the last write (``checkpoint/async_save.py``); local paths only. Full: the
-            ``checkpoint_io`` plugin wrapped in Lightning's ``AsyncCheckpointIO``. ``Trainer(plugins=
-            [AsyncCheckpointIO()])`` makes sharded saves asynchronous the same way.
+            at teardown, which waits for the last write (``checkpoint/async_save.py``); local paths only. Full: rank 0
+            writes a copy of the gathered checkpoint through the ``checkpoint_io`` plugin the same way (one in flight,
+            the failure raised on every rank). ``Trainer(plugins=[AsyncCheckpointIO()])`` does the same for both
+            forms (the plugin it wraps writes the full file).
         **kwargs: anything else is refused with a sentence: the torch-FSDP keywords Lightning forwards are all
             named arguments above.
     """
@@ -500,8 +502,9 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         rank by rank into the folder (``checkpoint/callback_tensors.py``). Either way the destination is checked
         first, on rank 0 and for every rank: a save replaces only a checkpoint of the same form and refuses anything
         else (a user's folder, a foreign file) before a byte is written. The full file goes through the
-        ``checkpoint_io`` plugin made atomic (see ``checkpoint_io.py``; with ``AsyncCheckpointIO`` it appears when the
-        background write is complete). ``filepath`` may be an fsspec URL (``s3://...``): see ``checkpoint/remote.py``.
+        ``checkpoint_io`` plugin made atomic (see ``checkpoint_io.py``). With ``async_save`` or ``AsyncCheckpointIO``
+        either form is written in the background (``checkpoint/async_save.py``) and appears when complete.
+        ``filepath`` may be an fsspec URL (``s3://...``): see ``checkpoint/remote.py``.
         """
         if self.save_trainable_only:
             mark_trainable_only(checkpoint)
@@ -511,12 +514,14 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
                 state[f"optimizer_{index}"] = optimizer_state
             if callback_tensors := pop_callback_tensors(checkpoint):
                 state[CALLBACKS] = callback_tensors
-            if self._saves_sharded_in_background():
-                self._save_in_background(filepath, state, checkpoint)
+            if self._saves_in_background():
+                self._save_sharded_in_background(filepath, state, checkpoint)
                 return
             save_sharded(filepath, state, checkpoint, self._storage_options(storage_options))
             return
         gather_callback_tensors(checkpoint)
+        if self._saves_in_background():
+            self._background_saver().wait()  # the previous write's failure comes first
         refusal = None
         if self.is_global_zero:
             if is_remote(filepath):
@@ -526,9 +531,12 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         refusal = self.broadcast(refusal)
         if refusal is not None:
             raise OSError(errno.ENOSPC, refusal) if refusal.startswith("no space") else FileExistsError(refusal)
+        options = self._storage_options(storage_options) if is_remote(filepath) else storage_options
+        if self._saves_in_background():
+            self._save_full_in_background(checkpoint, filepath, options)
+            return
         failure = None
         if self.is_global_zero:
-            options = self._storage_options(storage_options) if is_remote(filepath) else storage_options
             try:
                 self._atomic_checkpoint_io().save_checkpoint(checkpoint, filepath, options)
             except BaseException as err:
@@ -536,20 +544,37 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         # rank 0 wrote alone: every rank learns how it went (a URL stays a string: no local disk to have run full)
         raise_on_every_rank(failure, str(filepath) if is_remote(filepath) else Path(filepath))
 
-    def _saves_sharded_in_background(self) -> bool:
+    def _saves_in_background(self) -> bool:
         return self.async_save or isinstance(self.checkpoint_io, AsyncCheckpointIO)
 
-    def _save_in_background(self, filepath: _PATH, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    def _background_saver(self) -> BackgroundSaver:
+        if self._background is None:
+            self._background = BackgroundSaver(self._timeout)
+        return self._background
+
+    def _save_sharded_in_background(self, filepath: _PATH, state: dict[str, Any], meta: dict[str, Any]) -> None:
         if is_remote(filepath):
             raise ValueError(
                 f"asynchronous sharded saves write to local paths only, not {filepath}; save to a local folder, or "
                 "drop async_save (and AsyncCheckpointIO) to save to a store."
             )
-        if self._background is None:
-            self._background = BackgroundSaver(self._timeout)
-        self._background.save(filepath, state, meta)
+        self._background_saver().save(filepath, state, meta)
         if self._saves_complete_on_return:
-            self._background.wait()
+            self._background_saver().wait()
+
+    def _save_full_in_background(self, checkpoint: dict[str, Any], filepath: _PATH, options: Any | None) -> None:
+        """Rank 0 writes a snapshot of ``checkpoint`` (its tensors cloned, as Lightning's ``AsyncCheckpointIO`` does:
+        the next steps must not change what is written) through the plugin made atomic, in the background."""
+        io = self._atomic_checkpoint_io()
+        snapshot = apply_to_collection(checkpoint, Tensor, lambda tensor: tensor.detach().clone())
+
+        def write() -> None:
+            if self.is_global_zero:
+                io.save_checkpoint(snapshot, filepath, options)
+
+        self._background_saver().write(filepath, write)
+        if self._saves_complete_on_return:
+            self._background_saver().wait()
 
     @contextmanager
     def saves_complete_on_return(self) -> Generator[None, None, None]:
@@ -566,11 +591,11 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         return {**(self.storage_options or {}), **(given or {})} or None
 
     def _atomic_checkpoint_io(self) -> CheckpointIO:
-        """``self.checkpoint_io`` made atomic, built once per plugin (an async one keeps its background thread)."""
+        """``self.checkpoint_io`` made atomic and synchronous (``AsyncCheckpointIO``: the plugin it wraps), built once
+        per plugin."""
         io = self.checkpoint_io
         if self._atomic_io is None or self._atomic_io[0] is not io:
-            in_background = self.async_save and not isinstance(io, AsyncCheckpointIO)
-            self._atomic_io = (io, atomic_checkpoint_io(AsyncCheckpointIO(io) if in_background else io))
+            self._atomic_io = (io, atomic_checkpoint_io(io))
         return self._atomic_io[1]
 
     @override

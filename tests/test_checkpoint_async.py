@@ -7,7 +7,7 @@
   before it is complete.
 - A write that fails in the background (one rank's storage writer raises) is raised at the next save, the same
   sentence on every rank, and a removal asked for meanwhile is dropped, so the older checkpoint stays; a failure of
-  the last write is raised by teardown.
+  the last write is raised by teardown. The same for a full file rank 0 writes in the background (its disk full).
 - Under Fabric (``FabricFSDPStrategy(async_save=True)``): a step runs while the write is held, the next save waits
   for it, teardown for the last, and both checkpoints load back as they were at their saves.
 - A rank killed (SIGKILL) during its background write leaves the previous checkpoint under the name intact and
@@ -36,7 +36,7 @@ from lightning_fsdp.checkpoint.sharded import load_sharded, read_checked_metadat
 from lightning_fsdp.engine.state_dict import full_state_dict
 from tests.distributed import run_distributed
 from tests.scripts.strategy_common import LitGPT, token_loader
-from tests.test_checkpoint_disks import _model, _train
+from tests.test_checkpoint_disks import _FullDiskCheckpointIO, _model, _train
 from tests.test_cli_configs import CONFIGS, print_config
 from tests.test_fabric import TinyLit, _as_launched_rank, _trainer, adamw, gpt_batches, launch, train, weights
 
@@ -162,6 +162,15 @@ def _failures_surface(rank: int, world_size: int, out_name: str) -> None:
     assert read_checked_metadata(out / "older") is not None  # the dropped removal kept it
     assert not any((out / name).exists() for name in ("failing", "next", "last"))
     assert not list(out.glob(".partial-*"))
+    # The full form: rank 0 writes in the background, its disk runs full; every rank raises it at teardown.
+    plugins = [_FullDiskCheckpointIO()]
+    trainer = _trainer(FSDPStrategy(state_dict_type="full", async_save=True), 2, max_steps=1, plugins=plugins)
+    torch.manual_seed(0)
+    trainer.fit(LitGPT(), token_loader(4, 2))
+    trainer.save_checkpoint(out / "full.ckpt")
+    with pytest.raises(OSError, match=r"^\[Errno 28\] the background save to .*full.ckpt failed on rank 0 \(no space"):
+        trainer.strategy.teardown()
+    assert not (out / "full.ckpt").exists()
 
 
 def test_a_background_failure_surfaces_at_the_next_save_and_at_teardown(tmp_path: Path) -> None:
@@ -250,7 +259,7 @@ def test_async_save_refusals_are_one_sentence() -> None:
     with pytest.raises(ValueError, match="async_save must be True or False"):
         FSDPStrategy(async_save="yes")
     with pytest.raises(ValueError, match=r"^asynchronous sharded saves write to local paths only, not s3://b/k;"):
-        FSDPStrategy(state_dict_type="sharded", async_save=True)._save_in_background("s3://b/k", {}, {})
+        FSDPStrategy(state_dict_type="sharded", async_save=True)._save_sharded_in_background("s3://b/k", {}, {})
 
 
 def test_the_cli_takes_async_save_as_a_typed_flag(

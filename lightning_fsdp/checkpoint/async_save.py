@@ -1,4 +1,4 @@
-"""Sharded saves written in the background while training goes on: one in flight at most, no failure lost.
+"""Checkpoints written in the background while training goes on: one save in flight at most, no failure lost.
 
 A save is split where training must wait and where it need not. At the call (a step boundary, every rank together):
 
@@ -11,6 +11,9 @@ A save is split where training must wait and where it need not. At the call (a s
 Then a thread writes the snapshot through the same atomic ``save_sharded`` a synchronous save uses: the checkpoint
 appears under its name only when complete, and a process killed during the write leaves the previous checkpoint
 there intact (its temporary is removed by the next save into the folder, see ``temporaries.py``).
+
+A full file goes the same way through ``write``: the caller checks the destination and snapshots the gathered
+checkpoint on rank 0, whose writer then writes it while the other ranks' writers only take part in the agreement.
 
 [Note: the background save's own process group] Every collective of the write (the agreements of
 ``atomic_directory``, DCP's plan and metadata exchange) runs on a gloo group created once for checkpointing, never on
@@ -59,7 +62,7 @@ class _Outcome:
 
 
 class BackgroundSaver:
-    """Sharded saves of one process, each written by a background thread; at most one in flight.
+    """Saves of one process, each written by a background thread; at most one in flight.
 
     Args:
         timeout: how long a collective of the background write may wait (the strategy's timeout).
@@ -87,11 +90,15 @@ class BackgroundSaver:
         staged = BlockingAsyncStager().stage(state)
         buffer = io.BytesIO()
         torch.save(meta, buffer)
-        self._writing = True
-        self._thread = threading.Thread(
-            target=self._write, args=(path, staged, buffer.getvalue(), group), name="lightning_fsdp-save", daemon=False
-        )
-        self._thread.start()
+        meta_bytes = buffer.getvalue()
+        self._start(path, lambda: save_sharded(path, staged, meta_bytes, group=group), group)
+
+    def write(self, path: str | Path, write: Callable[[], None]) -> None:
+        """Run ``write`` in the background: this rank's part of a save whose destination checks and snapshot the
+        caller has made (rank 0's full file; ``lambda: None`` on the others). A collective, as ``save`` is: every
+        rank's writer agrees on the outcome, so a failure on rank 0 is raised on every rank."""
+        self.wait()
+        self._start(path, write, self._checkpoint_group())
 
     def remove_later(self, remove: Callable[[], None]) -> None:
         """Run ``remove`` after the write in flight has succeeded (dropped if it fails), or now when none is."""
@@ -129,13 +136,19 @@ class BackgroundSaver:
             self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         return self._group
 
-    def _write(self, path: Path, staged: dict[str, Any], meta: bytes, group: dist.ProcessGroup | None) -> None:
+    def _start(self, path: str | Path, write: Callable[[], None], group: dist.ProcessGroup | None) -> None:
+        self._writing = True
+        self._thread = threading.Thread(
+            target=self._write, args=(path, write, group), name="lightning_fsdp-save", daemon=False
+        )
+        self._thread.start()
+
+    def _write(self, path: str | Path, write: Callable[[], None], group: dist.ProcessGroup | None) -> None:
         failure: BaseException | None = None
         try:
-            save_sharded(path, staged, meta, group=group)
+            write()
         except BaseException as err:
             failure = err
-        del staged  # the copy goes as soon as it is written
         agreed = _agreed_failure(failure, path, group)
         with self._lock:
             removals, self._removals = self._removals, []
@@ -152,7 +165,9 @@ class BackgroundSaver:
             log.error("%s", agreed)
 
 
-def _agreed_failure(failure: BaseException | None, path: Path, group: dist.ProcessGroup | None) -> BaseException | None:
+def _agreed_failure(
+    failure: BaseException | None, path: str | Path, group: dist.ProcessGroup | None
+) -> BaseException | None:
     """The write's failure as every rank's writer will raise it (a collective on ``group``): the lowest failing rank's
     error in one sentence, an ``OSError`` with its errno where it had one (a full disk), else a ``RuntimeError``."""
     mine = None if failure is None else _outcome(failure, dist.get_rank(group) if group is not None else 0)

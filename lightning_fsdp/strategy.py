@@ -683,7 +683,8 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         if self._atomic_io is not None:
             self._atomic_io[1].teardown()  # waits for a background save to finish
         self.checkpoint_io.teardown()
-        if failure is not None and self._ending_with_exception:
+        ending_with_exception, self._ending_with_exception = self._ending_with_exception, False
+        if failure is not None and ending_with_exception:
             rank_zero_warn(f"{failure}", category=RuntimeWarning)
         elif failure is not None:
             raise failure

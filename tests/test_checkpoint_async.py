@@ -1,10 +1,10 @@
-"""Sharded saves written in the background (``FSDPStrategy(async_save=True)``, ``AsyncCheckpointIO``), on real ranks.
+"""Checkpoints written in the background (``FSDPStrategy(async_save=True)``, ``AsyncCheckpointIO``), on real ranks.
 
 - Under a Trainer with ``ModelCheckpoint`` every 2 steps (keeping the newest only, so every save removes the one
-  before): the checkpoints an asynchronous run leaves are those of a synchronous run, and resuming from either ends
-  in the same weights. A training step completes while the first write is held inside DCP's writer (it waits on an
-  event the training side sets after that step): the write overlaps training, and its checkpoint is not under its name
-  before it is complete.
+  before): the checkpoints an asynchronous run leaves (``async_save=True``, ``AsyncCheckpointIO``; sharded, and a
+  full file) are those of a synchronous run, and resuming from either ends in the same weights. A training step
+  completes while the first sharded write is held inside DCP's writer (it waits on an event the training side sets
+  after that step): the write overlaps training, and its checkpoint is not under its name before it is complete.
 - A write that fails in the background (one rank's storage writer raises) is raised at the next save, the same
   sentence on every rank, and a removal asked for meanwhile is dropped, so the older checkpoint stays; a failure of
   the last write is raised by teardown. The same for a full file rank 0 writes in the background (its disk full).
@@ -91,7 +91,7 @@ def _fit(rank: int, out: Path, name: str, hold: bool = False, **strategy_options
     checkpoints = ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=2, save_top_k=1)
     plugins = strategy_options.pop("plugins", [])
     trainer = _trainer(
-        FSDPStrategy(state_dict_type="sharded", **strategy_options),
+        FSDPStrategy(**{"state_dict_type": "sharded", **strategy_options}),
         2,
         max_steps=6,
         callbacks=[release, checkpoints] if hold else [checkpoints],
@@ -108,7 +108,7 @@ def _fit(rank: int, out: Path, name: str, hold: bool = False, **strategy_options
 
 
 def _resume(out: Path, name: str) -> dict[str, torch.Tensor]:
-    trainer = _trainer(FSDPStrategy(state_dict_type="sharded"), 2, max_steps=8)
+    trainer = _trainer(FSDPStrategy(state_dict_type="full" if name.startswith("full") else "sharded"), 2, max_steps=8)
     torch.manual_seed(1)
     model = LitGPT()
     trainer.fit(model, token_loader(24, 2), ckpt_path=out / name / "step=6.ckpt")
@@ -123,9 +123,10 @@ def _async_equals_sync(rank: int, world_size: int, out_name: str) -> None:
     _HeldWriter.actions = [{"hold"}]
     in_background = _fit(rank, out, "async", hold=True, async_save=True)
     plugin = _fit(rank, out, "plugin", plugins=[AsyncCheckpointIO()])
-    resumed = {name: _resume(out, name) for name in ("sync", "async", "plugin")}
+    full = _fit(rank, out, "full_async", state_dict_type="full", async_save=True)
+    resumed = {name: _resume(out, name) for name in ("sync", "async", "plugin", "full_async")}
     if rank == 0:
-        for name, weights in {"async": in_background, "plugin": plugin}.items():
+        for name, weights in {"async": in_background, "plugin": plugin, "full_async": full}.items():
             for key, value in sync.items():
                 torch.testing.assert_close(weights[key], value, rtol=0, atol=0, msg=f"{name}: {key}")
                 torch.testing.assert_close(resumed[name][key], resumed["sync"][key], rtol=0, atol=0, msg=key)

@@ -1,6 +1,6 @@
 """How long a sharded save stops training, synchronous against asynchronous, and the memory the background one costs.
 
-    python benchmarks/bench_async_save.py                              # ~98M params (untied), 2 ranks, ~3 minutes
+    python benchmarks/bench_async_save.py                              # ~98M params (untied), 2 ranks, ~2 minutes
     python benchmarks/bench_async_save.py --n-layer 2 --n-embd 384     # seconds, for a smoke test
 
 What it runs: the demo GPT (``--n-layer`` 12, ``--n-embd`` 768, vocabulary 8192, head untied: 98M parameters) built

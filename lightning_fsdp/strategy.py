@@ -566,10 +566,11 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         """Rank 0 writes a snapshot of ``checkpoint`` (its tensors cloned, as Lightning's ``AsyncCheckpointIO`` does:
         the next steps must not change what is written) through the plugin made atomic, in the background."""
         io = self._atomic_checkpoint_io()
-        snapshot = apply_to_collection(checkpoint, Tensor, lambda tensor: tensor.detach().clone())
+        rank0 = self.is_global_zero
+        snapshot = apply_to_collection(checkpoint, Tensor, lambda tensor: tensor.detach().clone()) if rank0 else None
 
         def write() -> None:
-            if self.is_global_zero:
+            if snapshot is not None:
                 io.save_checkpoint(snapshot, filepath, options)
 
         self._background_saver().write(filepath, write)
@@ -631,6 +632,8 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         (an explicit ``weights_only=True`` wins over the latter). At an fsspec URL, an object is a full checkpoint
         and a prefix a sharded one.
         """
+        if self._background is not None:
+            self._background.wait()  # a checkpoint still being written is loaded once complete
         module = self._module()
         optimizers = self.optimizers if module.trainer.state.fn == TrainerFn.FITTING else []
         weights_only = weights_only if weights_only is not None else _weights_only_given_to_the_trainer()
@@ -681,7 +684,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         if self._atomic_io is not None:
-            self._atomic_io[1].teardown()  # waits for a background save to finish
+            self._atomic_io[1].teardown()
         self.checkpoint_io.teardown()
         ending_with_exception, self._ending_with_exception = self._ending_with_exception, False
         if failure is not None and ending_with_exception:

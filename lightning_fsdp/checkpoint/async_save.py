@@ -106,7 +106,7 @@ class BackgroundSaver:
             if self._writing:
                 self._removals.append(remove)
                 return
-        self.raise_failure()
+        self._raise_failure()
         remove()
 
     def wait(self) -> None:
@@ -114,9 +114,9 @@ class BackgroundSaver:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self.raise_failure()
+        self._raise_failure()
 
-    def raise_failure(self) -> None:
+    def _raise_failure(self) -> None:
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
@@ -149,7 +149,10 @@ class BackgroundSaver:
             write()
         except BaseException as err:
             failure = err
-        agreed = _agreed_failure(failure, path, group)
+        try:
+            agreed = _agreed_failure(failure, path, group)
+        except BaseException as err:  # the agreement itself failed (a peer died): this rank's own error, kept
+            agreed = err
         with self._lock:
             removals, self._removals = self._removals, []
             if agreed is None:

@@ -461,6 +461,8 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         Nothing but plain data is unpickled unless trusted: ``fabric.load(..., weights_only=False)`` or
         ``FabricFSDPStrategy(trust_checkpoint=True)`` (an explicit ``weights_only=True`` wins over the latter).
         """
+        if self._background is not None:
+            self._background.wait()  # a checkpoint still being written is loaded once complete
         path = self.broadcast(str(path))
         path = path if is_remote(path) else Path(path)
         trust = weights_only is False or (weights_only is None and self.trust_checkpoint)

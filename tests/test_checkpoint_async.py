@@ -7,7 +7,8 @@
   after that step): the write overlaps training, and its checkpoint is not under its name before it is complete.
 - A write that fails in the background (one rank's storage writer raises) is raised at the next save, the same
   sentence on every rank, and a removal asked for meanwhile is dropped, so the older checkpoint stays; a failure of
-  the last write is raised by teardown. The same for a full file rank 0 writes in the background (its disk full).
+  the last write is raised by teardown. The same for a full file rank 0 writes in the background (its disk full). A
+  save made for SLURM's requeue is complete when the call returns.
 - Under Fabric (``FabricFSDPStrategy(async_save=True)``): a step runs while the write is held, the next save waits
   for it, teardown for the last, and both checkpoints load back as they were at their saves.
 - A rank killed (SIGKILL) during its background write leaves the previous checkpoint under the name intact and
@@ -163,6 +164,9 @@ def _failures_surface(rank: int, world_size: int, out_name: str) -> None:
     assert read_checked_metadata(out / "older") is not None  # the dropped removal kept it
     assert not any((out / name).exists() for name in ("failing", "next", "last"))
     assert not list(out.glob(".partial-*"))
+    with strategy.saves_complete_on_return():  # SLURM's requeue save: complete when the call returns
+        trainer.save_checkpoint(out / "hpc")
+    assert read_checked_metadata(out / "hpc") is not None
     # The full form: rank 0 writes in the background, its disk runs full; every rank raises it at teardown.
     plugins = [_FullDiskCheckpointIO()]
     trainer = _trainer(FSDPStrategy(state_dict_type="full", async_save=True), 2, max_steps=1, plugins=plugins)

@@ -2,9 +2,9 @@
 
 Lightning hands a strategy's ``save_checkpoint`` to ``self.checkpoint_io``. Ours must stay atomic whatever plugin
 the user chose: ``AtomicCheckpointIO`` wraps any plugin so that it writes into a temporary sibling that is renamed
-into place when complete (``checkpoint/atomic.py``). With Lightning's ``AsyncCheckpointIO`` the write happens in a
-background thread, so the rename must happen there too, after the write: the strategy puts ``AtomicCheckpointIO``
-*inside* the async wrapper (see ``atomic_checkpoint_io``), never around it. Lightning's plain ``TorchCheckpointIO``
+into place when complete (``checkpoint/atomic.py``). With Lightning's ``AsyncCheckpointIO`` (or ``async_save=True``)
+the strategy runs the plugin it wraps, made atomic, in its own background writer (``checkpoint/async_save.py``): one
+save in flight, its failure raised on every rank, removals after the write. Lightning's plain ``TorchCheckpointIO``
 is replaced by our streaming ``torch.save`` (it would first serialise the whole checkpoint into memory). At an
 fsspec URL the file is one upload instead, visible only when complete (``checkpoint/remote.py``).
 """
@@ -68,11 +68,9 @@ class AtomicCheckpointIO(CheckpointIO):
         self.inner.teardown()
 
 
-def atomic_checkpoint_io(io: CheckpointIO) -> CheckpointIO:
-    """``io`` with every save atomic: wrapped, or -- for ``AsyncCheckpointIO`` -- rebuilt around the wrapped inner."""
+def atomic_checkpoint_io(io: CheckpointIO) -> AtomicCheckpointIO:
+    """``io`` with every save atomic and synchronous: wrapped; for ``AsyncCheckpointIO``, the plugin it wraps (the
+    strategy runs the save in its own background writer, see ``checkpoint/async_save.py``)."""
     if isinstance(io, AsyncCheckpointIO):
-        inner = io.checkpoint_io
-        if isinstance(inner, AtomicCheckpointIO):
-            return io
-        return AsyncCheckpointIO(AtomicCheckpointIO(inner if inner is not None else TorchCheckpointIO()))
+        io = io.checkpoint_io if io.checkpoint_io is not None else TorchCheckpointIO()
     return io if isinstance(io, AtomicCheckpointIO) else AtomicCheckpointIO(io)

@@ -118,7 +118,8 @@ class DeferredSignals(Callback):
         if requeue:
             assert self._requeue_signal is not None
             log.info("requeue signal: every rank saves the HPC checkpoint after step %d", self._trainer.global_step)
-            self._handlers[self._requeue_signal](self._requeue_signal, inspect.currentframe())
+            with self._trainer.strategy.saves_complete_on_return():  # the job may end as soon as the handler returns
+                self._handlers[self._requeue_signal](self._requeue_signal, inspect.currentframe())
         if terminated and stop_on_sigterm:
             self._stop(terminated)
 

@@ -39,11 +39,13 @@ from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -51,6 +53,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.averaging.unsupported import refuse_unsharded_averaging
+from lightning_fsdp.checkpoint.async_save import BackgroundSaver
 from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_rank, remove, tensor_bytes
 from lightning_fsdp.checkpoint.callback_tensors import (
     CALLBACK_TENSORS,
@@ -147,6 +150,13 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             file system (``{"endpoint_url": ..., "key": ..., "secret": ...}`` for s3fs), for every save, load and
             removal; ``trainer.save_checkpoint(..., storage_options=)`` adds to them for one save. See
             ``checkpoint/remote.py``.
+        async_save: write checkpoints in the background while training goes on. Sharded: this rank's shards and
+            optimizer state are copied to CPU memory at the save (what blocks training; one copy at most) and written
+            by a thread, one save in flight at most, the next waiting for it; a failure is raised at the next save or
+            at teardown, which waits for the last write (``checkpoint/async_save.py``); local paths only. Full: rank 0
+            writes a copy of the gathered checkpoint through the ``checkpoint_io`` plugin the same way (one in flight,
+            the failure raised on every rank). ``Trainer(plugins=[AsyncCheckpointIO()])`` does the same for both
+            forms (the plugin it wraps writes the full file).
         **kwargs: anything else is refused with a sentence: the torch-FSDP keywords Lightning forwards are all
             named arguments above. As in Lightning, ``strategy.kwargs`` holds those given (read-only).
     """
@@ -185,6 +195,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         trust_checkpoint: bool = False,
         save_trainable_only: bool = False,
         storage_options: dict[str, Any] | None = None,
+        async_save: bool = False,
         **kwargs: Any,
     ) -> None:
         refuse_unknown_keywords(kwargs)
@@ -221,6 +232,10 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         self.empty_init = flag("empty_init", empty_init)
         self.sync_grads_each_micro_batch = flag("sync_grads_each_micro_batch", sync_grads_each_micro_batch)
         self.save_trainable_only = flag("save_trainable_only", save_trainable_only)
+        self.async_save = flag("async_save", async_save)
+        self._background: BackgroundSaver | None = None  # made at the first background save
+        self._saves_complete_on_return = False
+        self._ending_with_exception = False
         self._atomic_io: tuple[CheckpointIO, CheckpointIO] | None = None  # (the plugin, it made atomic)
         self._deferred_signals: DeferredSignals | None = None
         if storage_options is not None and not isinstance(storage_options, dict):
@@ -489,8 +504,9 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         rank by rank into the folder (``checkpoint/callback_tensors.py``). Either way the destination is checked
         first, on rank 0 and for every rank: a save replaces only a checkpoint of the same form and refuses anything
         else (a user's folder, a foreign file) before a byte is written. The full file goes through the
-        ``checkpoint_io`` plugin made atomic (see ``checkpoint_io.py``; with ``AsyncCheckpointIO`` it appears when the
-        background write is complete). ``filepath`` may be an fsspec URL (``s3://...``): see ``checkpoint/remote.py``.
+        ``checkpoint_io`` plugin made atomic (see ``checkpoint_io.py``). With ``async_save`` or ``AsyncCheckpointIO``
+        either form is written in the background (``checkpoint/async_save.py``) and appears when complete.
+        ``filepath`` may be an fsspec URL (``s3://...``): see ``checkpoint/remote.py``.
         """
         if self.save_trainable_only:
             mark_trainable_only(checkpoint)
@@ -500,9 +516,14 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
                 state[f"optimizer_{index}"] = optimizer_state
             if callback_tensors := pop_callback_tensors(checkpoint):
                 state[CALLBACK_TENSORS] = callback_tensors
+            if self._saves_in_background():
+                self._save_sharded_in_background(filepath, state, checkpoint)
+                return
             save_sharded(filepath, state, checkpoint, self._storage_options(storage_options))
             return
         gather_callback_tensors(checkpoint)
+        if self._saves_in_background():
+            self._background_saver().wait()  # the previous write's failure comes first
         refusal = None
         if self.is_global_zero:
             if is_remote(filepath):
@@ -512,9 +533,12 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         refusal = self.broadcast(refusal)
         if refusal is not None:
             raise OSError(errno.ENOSPC, refusal) if refusal.startswith("no space") else FileExistsError(refusal)
+        options = self._storage_options(storage_options) if is_remote(filepath) else storage_options
+        if self._saves_in_background():
+            self._save_full_in_background(checkpoint, filepath, options)
+            return
         failure = None
         if self.is_global_zero:
-            options = self._storage_options(storage_options) if is_remote(filepath) else storage_options
             try:
                 self._atomic_checkpoint_io().save_checkpoint(checkpoint, filepath, options)
             except BaseException as err:
@@ -522,12 +546,56 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         # rank 0 wrote alone: every rank learns how it went (a URL stays a string: no local disk to have run full)
         raise_on_every_rank(failure, str(filepath) if is_remote(filepath) else Path(filepath))
 
+    def _saves_in_background(self) -> bool:
+        return self.async_save or isinstance(self.checkpoint_io, AsyncCheckpointIO)
+
+    def _background_saver(self) -> BackgroundSaver:
+        if self._background is None:
+            self._background = BackgroundSaver(self._timeout)
+        return self._background
+
+    def _save_sharded_in_background(self, filepath: _PATH, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        if is_remote(filepath):
+            raise ValueError(
+                f"asynchronous sharded saves write to local paths only, not {filepath}; save to a local folder, or "
+                "drop async_save (and AsyncCheckpointIO) to save to a store."
+            )
+        self._background_saver().save(filepath, state, meta)
+        if self._saves_complete_on_return:
+            self._background_saver().wait()
+
+    def _save_full_in_background(self, checkpoint: dict[str, Any], filepath: _PATH, options: Any | None) -> None:
+        """Rank 0 writes a snapshot of ``checkpoint`` (its tensors cloned, as Lightning's ``AsyncCheckpointIO`` does:
+        the next steps must not change what is written) through the plugin made atomic, in the background."""
+        io = self._atomic_checkpoint_io()
+        rank0 = self.is_global_zero
+        snapshot = apply_to_collection(checkpoint, Tensor, lambda tensor: tensor.detach().clone()) if rank0 else None
+
+        def write() -> None:
+            if snapshot is not None:
+                io.save_checkpoint(snapshot, filepath, options)
+
+        self._background_saver().write(filepath, write)
+        if self._saves_complete_on_return:
+            self._background_saver().wait()
+
+    @contextmanager
+    def saves_complete_on_return(self) -> Generator[None, None, None]:
+        """Inside this, a background save is waited for before ``save_checkpoint`` returns: a save after which the
+        process may end at once (SLURM's requeue, see ``preemption.py``)."""
+        self._saves_complete_on_return = True
+        try:
+            yield
+        finally:
+            self._saves_complete_on_return = False
+
     def _storage_options(self, given: Any | None) -> dict[str, Any] | None:
         """The strategy's ``storage_options`` with those given to one call on top."""
         return {**(self.storage_options or {}), **(given or {})} or None
 
     def _atomic_checkpoint_io(self) -> CheckpointIO:
-        """``self.checkpoint_io`` made atomic, built once per plugin (an async one keeps its background thread)."""
+        """``self.checkpoint_io`` made atomic and synchronous (``AsyncCheckpointIO``: the plugin it wraps), built once
+        per plugin."""
         io = self.checkpoint_io
         if self._atomic_io is None or self._atomic_io[0] is not io:
             self._atomic_io = (io, atomic_checkpoint_io(io))
@@ -538,7 +606,15 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         """Delete our checkpoint at ``filepath`` (``ModelCheckpoint``'s rotation); at a URL, only our own objects.
 
         Locally, rank 0 removes a full file and every rank that sees a sharded folder there removes it: ranks that
-        share no disk each published their own (see [Note: ranks that share no disk] in ``checkpoint/atomic.py``)."""
+        share no disk each published their own (see [Note: ranks that share no disk] in ``checkpoint/atomic.py``).
+        While a background save is in flight the removal waits for it and happens only if it succeeds: the checkpoint
+        being removed is the one the new save replaces."""
+        if self._background is not None:
+            self._background.remove_later(lambda: self._remove_now(filepath))
+            return
+        self._remove_now(filepath)
+
+    def _remove_now(self, filepath: _PATH) -> None:
         if self.is_global_zero and is_remote(filepath):
             left = remove_remote(filepath, self.storage_options)
             if left is not None:
@@ -558,6 +634,8 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         (an explicit ``weights_only=True`` wins over the latter). At an fsspec URL, an object is a full checkpoint
         and a prefix a sharded one.
         """
+        if self._background is not None:
+            self._background.wait()  # a checkpoint still being written is loaded once complete
         module = self._module()
         optimizers = self.optimizers if module.trainer.state.fn == TrainerFn.FITTING else []
         weights_only = weights_only if weights_only is not None else _weights_only_given_to_the_trainer()
@@ -588,19 +666,33 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
     # ----- the end --------------------------------------------------------------------------------------------------
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """The run ends with ``exception``: teardown then reports a failed background save as a warning instead of
+        raising it over the exception already on its way."""
+        self._ending_with_exception = True
+
+    @override
     def teardown(self) -> None:
         """Release the plugins, but leave the model where it is (unlike the base class, which moves it to the CPU):
-        its parameters are shards tied to the engine's buffers, and ``.cpu()`` would split them apart."""
+        its parameters are shards tied to the engine's buffers, and ``.cpu()`` would split them apart.
+
+        A background save still in flight is waited for first; its failure is raised once everything is released."""
         assert self.cluster_environment is not None
         assert self.accelerator is not None
+        failure = self._background.close() if self._background is not None else None
         if self._deferred_signals is not None:
             self._deferred_signals.remove()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         if self._atomic_io is not None:
-            self._atomic_io[1].teardown()  # waits for a background save to finish
+            self._atomic_io[1].teardown()
         self.checkpoint_io.teardown()
+        ending_with_exception, self._ending_with_exception = self._ending_with_exception, False
+        if failure is not None and ending_with_exception:
+            rank_zero_warn(f"{failure}", category=RuntimeWarning)
+        elif failure is not None:
+            raise failure
 
     @classmethod
     @override

@@ -61,6 +61,7 @@ __all__ = [
     "out_of_space",
     "publish",
     "raise_on_every_rank",
+    "refuse_on_every_rank",
     "remove",
     "remove_stale_temporaries",
     "tensor_bytes",
@@ -254,35 +255,37 @@ def write_file_atomically(
 
 @dataclass(frozen=True)
 class _Ranks:
-    """The process group an ``atomic_directory`` spans (one process when not collective)."""
+    """The process group an ``atomic_directory`` spans (one process when not collective): the default group, or one
+    spanning the same ranks (a background save's own, see ``async_save.py``)."""
 
     distributed: bool
     rank: int
     world_size: int
+    group: dist.ProcessGroup | None = None
 
     @classmethod
-    def of(cls, collective: bool) -> _Ranks:
+    def of(cls, collective: bool, group: dist.ProcessGroup | None = None) -> _Ranks:
         if collective and dist.is_available() and dist.is_initialized():
-            return cls(True, dist.get_rank(), dist.get_world_size())
+            return cls(True, dist.get_rank(group), dist.get_world_size(group), group)
         return cls(False, 0, 1)
 
     def gather(self, value: Any) -> list[Any]:
         if not self.distributed:
             return [value]
         everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, value)
+        dist.all_gather_object(everyone, value, group=self.group)
         return everyone
 
     def broadcast(self, value: Any) -> Any:
         if not self.distributed:
             return value
         holder = [value]
-        dist.broadcast_object_list(holder, src=0)
+        dist.broadcast_object_list(holder, src=0, group=self.group)
         return holder[0]
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
 
 @dataclass(frozen=True)
@@ -408,6 +411,7 @@ def atomic_directory(
     form: str = "sharded",
     collective: bool = True,
     rank0_files: Sequence[str] = (),
+    group: dist.ProcessGroup | None = None,
 ) -> Iterator[Path]:
     """Yield a temporary folder beside this rank's ``final``; every folder is published once all ranks are done.
 
@@ -418,9 +422,10 @@ def atomic_directory(
     sentence) and the temporaries are removed: nothing is published and nothing is left behind. ``expected_bytes``
     is this rank's share. ``rank0_files``: names of files rank 0 writes that every published folder receives.
     ``collective=False``: one process writes the folder alone, whether or not it belongs to a process group.
+    ``group``: the process group of every agreement (one spanning all ranks; the default group when None).
     """
     final = Path(final)
-    ranks = _Ranks.of(collective)
+    ranks = _Ranks.of(collective, group)
     _raise_first_refusal(ranks.gather(check_destination(final, form, expected_bytes)), ranks.rank)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(ranks.broadcast(temporary_sibling(final).name))
@@ -457,6 +462,13 @@ def atomic_directory(
     finally:
         delete_temporary(tmp)
         release(writer)
+
+
+def refuse_on_every_rank(final: Path, form: str, expected_bytes: int, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank checks its own ``final`` (see ``check_destination``) and raises any rank's refusal (a collective):
+    what ``atomic_directory`` checks first, for a caller that must know before it hands the save on."""
+    ranks = _Ranks.of(collective=True, group=group)
+    _raise_first_refusal(ranks.gather(check_destination(final, form, expected_bytes)), ranks.rank)
 
 
 def raise_on_every_rank(failure: BaseException | None, final: Path | str) -> None:

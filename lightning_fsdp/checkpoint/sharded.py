@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.optim import Optimizer
@@ -66,22 +67,31 @@ def sharded_checkpoint_state(module: nn.Module, optimizers: Sequence[Optimizer])
 
 
 def save_sharded(
-    path: str | os.PathLike, state: dict[str, Any], meta: dict[str, Any], storage_options: dict[str, Any] | None = None
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    meta: dict[str, Any] | bytes,
+    storage_options: dict[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
     """Write the folder atomically: ``state`` (see ``sharded_checkpoint_state``) in DCP format, ``meta.pt``.
 
     ``path`` is this rank's own: ranks that share no disk each publish their shards into theirs, with rank 0's
     ``.metadata`` and ``meta.pt`` copied beside them (see [Note: ranks that share no disk] in ``atomic.py``). At an
-    fsspec URL every rank writes straight to the store, the completion mark last (see ``remote.py``).
+    fsspec URL every rank writes straight to the store, the completion mark last (see ``remote.py``). ``meta`` may
+    come already serialised (``torch.save``'s bytes: a background save's snapshot). ``group``: the process group
+    of every collective of the save, DCP's included (the default group when None; a background save's own).
     """
     if is_remote(path):
         save_sharded_remote(path, state, meta, storage_options)
         return
     rank0_files = (DCP_METADATA_FILE, META_FILE)
-    with atomic_directory(path, expected_bytes=tensor_bytes(state), rank0_files=rank0_files) as tmp:
-        dcp.save(state, checkpoint_id=tmp)
+    with atomic_directory(path, expected_bytes=tensor_bytes(state), rank0_files=rank0_files, group=group) as tmp:
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=group)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            torch.save(meta, tmp / META_FILE)
+            if isinstance(meta, bytes):
+                (tmp / META_FILE).write_bytes(meta)
+            else:
+                torch.save(meta, tmp / META_FILE)
 
 
 def load_sharded(

@@ -126,11 +126,16 @@ def save_sharded_folder(
     path: str | Path, parts: FabricState, filter: Filter, storage_options: dict[str, Any] | None = None
 ) -> None:
     """Write the DCP folder and ``meta.pt`` atomically, every rank its own rows (a collective)."""
+    save_sharded(path, *sharded_folder_state(parts, filter), storage_options)
+
+
+def sharded_folder_state(parts: FabricState, filter: Filter) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a sharded folder holds: the DCP state (DTensors aliasing the shards) and ``meta.pt``'s contents."""
     _refuse_optimizer_filter(parts, filter)
     state: dict[str, Any] = {"model": _filtered(parts.module_key, sharded_state_dict(parts.module), filter)}
     for index, optimizer in enumerate(parts.optimizers.values()):
         state[f"optimizer_{index}"] = sharded_optimizer_state_dict(parts.module, optimizer)
-    save_sharded(path, state, {**_metadata(parts, filter), **_record(parts)}, storage_options)
+    return state, {**_metadata(parts, filter), **_record(parts)}
 
 
 def load_into(

@@ -49,6 +49,7 @@ from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
+from lightning_fsdp.checkpoint.async_save import BackgroundSaver
 from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_rank
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.remote import remote_refusal
@@ -63,12 +64,13 @@ from lightning_fsdp.fabric.checkpoint import (
     restore_metadata,
     save_full,
     save_sharded_folder,
+    sharded_folder_state,
     split_state,
 )
 from lightning_fsdp.fabric.precision import FabricFSDPPrecision, as_fabric_fsdp_precision
 from lightning_fsdp.lightning_arguments import refuse_unknown_keywords
 from lightning_fsdp.registration import register_names
-from lightning_fsdp.sharding_setup import Policy, ShardedModelSetup, ShardingName
+from lightning_fsdp.sharding_setup import Policy, ShardedModelSetup, ShardingName, flag
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -93,6 +95,11 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         storage_options: for checkpoints at fsspec URLs (``s3://bucket/ckpt``): the keywords of the store's fsspec
             file system (``{"endpoint_url": ..., "key": ..., "secret": ...}`` for s3fs), for ``fabric.save`` and
             ``fabric.load``. See ``checkpoint/remote.py``.
+        async_save: write sharded checkpoints in the background while training goes on, as
+            ``FSDPStrategy(async_save=True)`` does (``checkpoint/async_save.py``): ``fabric.save`` returns once this
+            rank's part is copied to CPU memory; the next save waits for the write and raises its failure, as does
+            ``fabric.strategy.teardown()``, which waits for the last write (the interpreter waits for it at exit too).
+            Sharded, local paths only.
         **kwargs: anything else is refused with a sentence; ``strategy.kwargs`` holds the torch-FSDP keywords given,
             as Lightning's Trainer strategy keeps them (read-only).
     """
@@ -127,6 +134,7 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         device_id: int | torch.device | None = None,
         trust_checkpoint: bool = False,
         storage_options: dict[str, Any] | None = None,
+        async_save: bool = False,
         **kwargs: Any,
     ) -> None:
         refuse_unknown_keywords(kwargs)
@@ -164,6 +172,13 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
                 f"storage_options must be a dict of the store's fsspec options, not a {type(storage_options).__name__}."
             )
         self.storage_options = storage_options
+        self.async_save = flag("async_save", async_save)
+        if self.async_save and self.state_dict_type != "sharded":
+            raise ValueError(
+                "async_save=True writes sharded checkpoints in the background; pass state_dict_type='sharded' as well "
+                "(a full file is gathered on rank 0 and written there), or drop async_save."
+            )
+        self._background: BackgroundSaver | None = None  # made at the first background save
         self._backward_sync_control = _EngineBackwardSyncControl()
         self._sharded_modules: WeakSet[nn.Module] = WeakSet()
         # A parameter fully_shard replaced -> (its module, its name), to give an optimizer built before the shards.
@@ -405,6 +420,16 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         path = path if is_remote(path) else Path(path)
         storage_options = {**(self.storage_options or {}), **(storage_options or {})} if is_remote(path) else None
         parts = split_state(state)
+        if self.state_dict_type == "sharded" and self.async_save:
+            if is_remote(path):
+                raise ValueError(
+                    f"asynchronous sharded saves write to local paths only, not {path}; save to a local folder, or "
+                    "drop async_save to save to a store."
+                )
+            if self._background is None:
+                self._background = BackgroundSaver(self._timeout)
+            self._background.save(path, *sharded_folder_state(parts, filter or {}))
+            return
         if self.state_dict_type == "sharded":
             save_sharded_folder(path, parts, filter or {}, storage_options)
             return
@@ -437,6 +462,8 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         Nothing but plain data is unpickled unless trusted: ``fabric.load(..., weights_only=False)`` or
         ``FabricFSDPStrategy(trust_checkpoint=True)`` (an explicit ``weights_only=True`` wins over the latter).
         """
+        if self._background is not None:
+            self._background.wait()  # a checkpoint still being written is loaded once complete
         path = self.broadcast(str(path))
         path = path if is_remote(path) else Path(path)
         trust = weights_only is False or (weights_only is None and self.trust_checkpoint)
@@ -472,12 +499,16 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
     @override
     def teardown(self) -> None:
         """Release the plugins; the model stays where it is (its parameters are shards tied to the engine's buffers)
-        and there is no CheckpointIO to tear down."""
+        and there is no CheckpointIO to tear down. A background save still in flight is waited for, and its failure
+        raised once everything is released."""
         assert self.cluster_environment is not None
         assert self.accelerator is not None
+        failure = self._background.close() if self._background is not None else None
         self.cluster_environment.teardown()
         self.precision.teardown()
         self.accelerator.teardown()
+        if failure is not None:
+            raise failure
 
     @classmethod
     @override

@@ -46,6 +46,7 @@ from lightning_fsdp.engine.state_dict import full_state_dict
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT
 from tests.scripts.strategy_common import TINY
+from tests.test_checkpoint_formats import _train
 from tests.test_fabric import TinyLit, _as_launched_rank, _trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,15 +57,6 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = fully_shard(GPT(TINY_GPT), {Block})
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> None:
-    data = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        tokens = torch.randint(0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size + 1), generator=data)
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 def _own_folder(out: Path, layout: str, rank: int) -> Path:
@@ -213,18 +205,6 @@ def _a_full_disk_on_one_rank(rank: int, world_size: int, out_name: str) -> None:
 
 def test_a_full_disk_on_one_rank_is_the_same_sentence_on_every_rank(tmp_path: Path) -> None:
     run_distributed(_a_full_disk_on_one_rank, 2, str(tmp_path), timeout=300)
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Path:
-    """A 256 KiB tmpfs: a real file system that runs full (the kernel's ENOSPC, nothing simulated)."""
-    mount = tmp_path / "small_disk"
-    mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def _rank1_on_a_small_disk(rank: int, world_size: int, out_name: str, disk_name: str) -> None:

@@ -20,7 +20,6 @@ import os
 import pickle
 import shlex
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -327,18 +326,6 @@ def _mixed_precision_round_trip(rank: int, world_size: int, folder_name: str) ->
 
 def test_full_checkpoints_under_mixed_precision_hold_the_fp32_shards_exactly(tmp_path: Path) -> None:
     run_distributed(_mixed_precision_round_trip, 2, str(tmp_path))
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Path:
-    """A 256 KiB tmpfs: a real file system that runs full (the kernel's ENOSPC, nothing simulated)."""
-    mount = tmp_path / "small_disk"
-    mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def _sharded_save_on_a_full_disk(rank: int, world_size: int, disk: str) -> None:

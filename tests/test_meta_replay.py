@@ -21,14 +21,7 @@ from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.gpt import GPT, GPTConfig
 from lightning_fsdp.engine.deferred_init import check_initializable, materialize, track_meta_build
 from tests.init_models import LoRAStack, NanoGPT
-
-
-def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            owners.setdefault(id(param), []).append((module, name))
-    return owners
+from tests.test_meta_build import _owners
 
 
 def _materialize(model: nn.Module) -> None:

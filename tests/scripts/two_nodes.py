@@ -49,4 +49,5 @@ if __name__ == "__main__":
     for strategy in sys.argv[1:]:
         check(strategy)
     print(f"rank {dist.get_rank()} ok", flush=True)
+    dist.barrier()  # no rank tears its group down while another still uses it
     dist.destroy_process_group()

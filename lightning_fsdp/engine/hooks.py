@@ -64,6 +64,20 @@ callback. Which nodes can read a frozen parameter: one whose outputs are gradien
 before their accumulation, so the count covers it) or of the unit's inputs (the input hook covers it). Units with
 every parameter trainable keep the count alone, so their reductions start as early as before.
 
+[Note: gradients that arrive long before their unit's backward ends] A unit's backward ends where its forward
+began, and a unit around others -- the root above all -- spans the whole backward: a language model's output head
+(its largest tensor with the embedding) is the first gradient of the step, the embedding's the last. Reduced with
+the unit's other gradients at the end, the head would keep its full weight and its full gradient alive through
+every block's backward (the peak of the step) and its reduction could overlap nothing. But a gradient that has
+arrived is complete: its post-accumulate hook fires once all its uses are summed, and no node of this backward
+reads its parameter any more (each node that saved the parameter produced a gradient for it, so ran before). So
+when another unit's backward begins, the gradients the units still in backward hold -- if there are at least
+``EARLY_REDUCTION_MIN_BYTES`` of them, so that a collective of their own pays -- are reduced at once in their own
+collective, queued behind as any reduction, and their full parameters freed (the shards registered); the unit's own
+reduction at its end takes the rest. The units stay those the policy named. Not with gradient sync off (nothing is
+reduced), inside a forward (manual optimisation: the rest of the forward reads the parameters), or when a gradient
+arrives twice in one backward (a reentrant checkpoint's second graph: refused, the first was reduced already).
+
 [Note: a submodule called while its unit is sharded] A unit gathers its parameters in its own forward, so a call
 straight into one of its submodules from outside (``pl_module.model(x)`` in a Lightning callback, whose root unit is
 the LightningModule) finds this rank's rows where the full tensors belong, and fails deep inside with whatever the
@@ -112,6 +126,7 @@ class RootContext:
         self._position: dict[int, int] = {}
         self.order_frozen = False
         self.pending: deque[PendingGradReduction] = deque()
+        self.early_grads: list[FSDPUnit] = []  # units holding gradients while others' backward runs (see the Note)
         self.transports: dict[int, Transport] = {}  # by id of the process group (see [Note: one transport per group])
         self.ledger: Ledger | None = None  # numbers the units' collectives (see [Note: collective identity])
         self.callback_queued = False
@@ -230,6 +245,25 @@ class RootContext:
         while len(self.pending) > 1:
             self.pending.popleft().finish()
 
+    def note_early_grads(self, unit: FSDPUnit) -> None:
+        """``unit`` got a gradient and its backward goes on: another unit's backward may start before it ends."""
+        if unit not in self.early_grads:
+            self.early_grads.append(unit)
+
+    def forget_early_grads(self, unit: FSDPUnit) -> None:
+        if unit in self.early_grads:
+            self.early_grads.remove(unit)
+
+    def reduce_early_grads(self, besides: FSDPUnit) -> None:
+        """Another unit's backward begins: the gradients the units still in backward hold are complete, so reduce
+        them now (see [Note: gradients that arrive long before their unit's backward ends])."""
+        for unit in list(self.early_grads):
+            if unit is not besides:
+                reduction = unit.reduce_arrived_early()
+                if reduction is not None:
+                    self.early_grads.remove(unit)
+                    self.enqueue_reduction(reduction)
+
     def queue_final_callback(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
@@ -243,6 +277,7 @@ class RootContext:
                 post_backward(unit)
         while self.pending:
             self.pending.popleft().finish()
+        self.early_grads.clear()
         self.reshard_all()
         self.order_frozen = True
         self.callback_queued = False
@@ -289,7 +324,7 @@ def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) ->
     forward_next = context.neighbour(unit, +1) if unit.options.forward_prefetch and context.order_frozen else None
     context.unshard_for_use(unit, forward_next)
     if torch.is_grad_enabled():
-        unit.hook_trainable_params(lambda _param: on_grad_accumulated(unit))
+        unit.hook_trainable_params(lambda param: on_grad_accumulated(unit, param))
     precision = unit.options.mixed_precision
     cast = precision.cast_forward_inputs and precision.param_dtype is not None
     if cast:
@@ -337,16 +372,20 @@ def pre_backward(unit: FSDPUnit) -> None:
     context.queue_final_callback()
     if not unit.begin_backward():
         return
+    context.reduce_early_grads(besides=unit)
     prefetch = unit.options.backward_prefetch is BackwardPrefetch.BACKWARD_PRE
     context.unshard_for_use(unit, context.neighbour(unit, -1) if prefetch else None)
 
 
 @torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
-def on_grad_accumulated(unit: FSDPUnit) -> None:
+def on_grad_accumulated(unit: FSDPUnit, param: torch.Tensor) -> None:
     # A backward that no unit's output hook announced (it ran inside the only unit's forward) still ends in stage 6.
-    context_of(unit).queue_final_callback()
-    unit.grad_accumulated()
+    context = context_of(unit)
+    context.queue_final_callback()
+    unit.grad_accumulated(param)
     _post_backward_if_done(unit)
+    if unit.backward_unfinished:
+        context.note_early_grads(unit)
 
 
 @torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
@@ -363,6 +402,7 @@ def _post_backward_if_done(unit: FSDPUnit) -> None:
 
 def post_backward(unit: FSDPUnit) -> None:
     context = context_of(unit)
+    context.forget_early_grads(unit)
     if unit.options.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         context.prefetch(context.neighbour(unit, -1))
     context.enqueue_reduction(unit.finish_backward())

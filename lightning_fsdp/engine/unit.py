@@ -34,6 +34,10 @@ from lightning_fsdp.engine.options import ShardingOptions
 from lightning_fsdp.engine.param import FSDPParam, gather_masters
 from lightning_fsdp.engine.transport import Pending, Transport, standalone_transport
 
+# Gradients of at least this many bytes that arrive while other units' backward is still to run are reduced at
+# once, in a collective of their own: see [Note: gradients that arrive long before their unit's backward ends].
+EARLY_REDUCTION_MIN_BYTES = 1 << 20
+
 
 class ShardState(Enum):
     SHARDED = auto()  # only the local shards exist; the module holds them
@@ -61,6 +65,7 @@ class PendingGradReduction:
 
     unit: FSDPUnit
     pending: Pending[torch.Tensor]
+    params: list[FSDPParam] | list[nn.Parameter]  # what the reduced buffer holds, in its order
     had_grad: list[bool]
     divide_after: bool  # fp32 divides the (W-times smaller) result, unless the transport divides exactly for free
 
@@ -73,7 +78,7 @@ class PendingGradReduction:
                 reduced = unit.replicate_transport().all_reduce([reduced], reduced.dtype, stamp).wait()
             if self.divide_after:  # an average over ranks, as DDP and the unsharded reference compute
                 reduced.div_(self.unit.total_world_size)
-            self.unit.accept_reduced_grads(reduced, self.had_grad)
+            self.unit.accept_reduced_grads(reduced, self.params, self.had_grad)
 
 
 class FSDPUnit:
@@ -118,6 +123,10 @@ class FSDPUnit:
         self.grads_expected = 0  # trainable parameters, counted at pre-forward
         self.grads_seen = 0  # gradients accumulated so far in this backward
         self.hooked_params: set[int] = set()  # ids of the grad tensors carrying our post-accumulate hook
+        self._param_of_grad_tensor = {id(p.unsharded): p for p in params}
+        # See [Note: gradients that arrive long before their unit's backward ends].
+        self.arrived: list[FSDPParam] = []  # gradients in since the last reduction of this backward, in order
+        self.reduced_early: set[int] = set()  # ids of the FSDPParams whose gradients this backward reduced already
         # See [Note: post-backward of partly frozen units] in hooks.py.
         self.input_grads_pending = 0  # forwards of this step whose input gradients backward has yet to compute
         self.awaits_final_callback = False  # frozen parameters, no input needing a gradient: stage 6 finishes it
@@ -210,8 +219,39 @@ class FSDPUnit:
     def input_grads_arrived(self) -> None:
         self.input_grads_pending = max(self.input_grads_pending - 1, 0)
 
-    def grad_accumulated(self) -> None:
+    def grad_accumulated(self, grad_tensor: torch.Tensor) -> None:
         self.grads_seen += 1
+        fsdp_param = self._param_of_grad_tensor.get(id(grad_tensor))
+        if fsdp_param is None:
+            return
+        if id(fsdp_param) in self.reduced_early:
+            raise RuntimeError(
+                f"The gradient of '{fsdp_param.fqn}' (unit '{self.name}') arrived a second time in one backward, "
+                "after the first one was reduced and its full parameter freed; this happens when a parameter is "
+                "used both inside and outside a reentrant activation-checkpointed region: use "
+                "`checkpoint(..., use_reentrant=False)` (the engine's apply_activation_checkpointing does)."
+            )
+        self.arrived.append(fsdp_param)
+
+    def reduce_arrived_early(self) -> PendingGradReduction | None:
+        """Reduce the gradients that arrived so far and free their full parameters, while the backward of other
+        units (nested inside this one) runs; see [Note: gradients that arrive long before their unit's backward ends].
+        None, and the gradients wait for the unit's own reduction, when they are too few to be worth a collective."""
+        if self.is_whole or not self.requires_grad_sync or self.in_forward or not self.arrived:
+            return None
+        if self.training_state is not TrainingState.PRE_BACKWARD:
+            return None
+        grads = [p.unsharded.grad for p in self.arrived]
+        if sum(g.numel() * g.element_size() for g in grads if g is not None) < EARLY_REDUCTION_MIN_BYTES:
+            return None
+        arrived, self.arrived = self.arrived, []
+        with record_function("lightning_fsdp.reduce_grads"):
+            reduction = self._reduce_scatter_grads(arrived)
+            for fsdp_param in arrived:
+                self.reduced_early.add(id(fsdp_param))
+                fsdp_param.register_sharded()
+                fsdp_param.free_unsharded()
+        return reduction
 
     def begin_backward(self) -> bool:
         """Stage 4: backward reached the unit's outputs. False when it had already (several outputs, one backward)."""
@@ -244,6 +284,7 @@ class FSDPUnit:
         if not self.in_forward:  # see [Note: backward inside a forward] in hooks.py
             self.reshard()
         reduction = self.reduce_grads() if self.requires_grad_sync else None
+        self.arrived = []
         self.training_state = TrainingState.POST_BACKWARD
         return reduction
 
@@ -252,6 +293,8 @@ class FSDPUnit:
         self.grads_seen = 0
         self.input_grads_pending = 0
         self.awaits_final_callback = False
+        self.arrived = []
+        self.reduced_early = set()
         if self.in_forward:  # see [Note: backward inside a forward] in hooks.py
             self.training_state = TrainingState.FORWARD
             return
@@ -409,13 +452,11 @@ class FSDPUnit:
             return None
         with record_function("lightning_fsdp.reduce_grads"):
             if self.params:
-                return self._reduce_scatter_grads()
+                trainable = [p for p in self.params if p.requires_grad and id(p) not in self.reduced_early]
+                return self._reduce_scatter_grads(trainable) if trainable else None
             return self._all_reduce_grads()
 
-    def _reduce_scatter_grads(self) -> PendingGradReduction | None:
-        trainable = [p for p in self.params if p.requires_grad]
-        if not trainable:
-            return None
+    def _reduce_scatter_grads(self, trainable: list[FSDPParam]) -> PendingGradReduction:
         rows, had_grad = [], []
         for fsdp_param in trainable:
             grad = fsdp_param.unsharded.grad
@@ -433,7 +474,7 @@ class FSDPUnit:
             pending = transport.reduce_scatter(rows, reduce_dtype, stamp, divide_by)
         for fsdp_param in trainable:
             fsdp_param.unsharded.grad = None
-        return PendingGradReduction(self, pending, had_grad, divide_by is None)
+        return PendingGradReduction(self, pending, trainable, had_grad, divide_by is None)
 
     def _all_reduce_grads(self) -> PendingGradReduction | None:
         trainable = [p for p in self.replicated if p.requires_grad]
@@ -447,24 +488,26 @@ class FSDPUnit:
         divide_by = self._divide_before_reducing(reduce_dtype)
         with torch.no_grad():
             pending = self.replicate_transport().all_reduce(grads, reduce_dtype, stamp, divide_by)
-        return PendingGradReduction(self, pending, had_grad, divide_by is None)
+        return PendingGradReduction(self, pending, trainable, had_grad, divide_by is None)
 
     def _divide_before_reducing(self, dtype: torch.dtype) -> int | None:
         """Low precision divides by the ranks first, so the sum cannot overflow (the divisor); fp32 divides the
         result after (None), unless the transport divides exactly for free (``Transport.divides_exactly``)."""
         return self.total_world_size if dtype in (torch.float16, torch.bfloat16) else None
 
-    def accept_reduced_grads(self, reduced: torch.Tensor, had_grad: list[bool]) -> None:
-        """Hand each trainable parameter that had a gradient its slice of the reduced buffer (views: no copy)."""
+    def accept_reduced_grads(
+        self, reduced: torch.Tensor, params: list[FSDPParam] | list[nn.Parameter], had_grad: list[bool]
+    ) -> None:
+        """Hand each of ``params`` (what the reduction packed, in order) that had a gradient its slice of the
+        reduced buffer (views: no copy)."""
         offset = 0
-        if self.params:
-            for fsdp_param, arrived in zip((p for p in self.params if p.requires_grad), had_grad, strict=True):
-                numel = fsdp_param.layout.shard_numel
+        for param, arrived in zip(params, had_grad, strict=True):
+            if isinstance(param, FSDPParam):
+                numel = param.layout.shard_numel
                 if arrived:
-                    fsdp_param.accumulate_sharded_grad(reduced[offset : offset + numel])
-                offset += numel
-            return
-        for param, arrived in zip((p for p in self.replicated if p.requires_grad), had_grad, strict=True):
-            if arrived:
-                param.grad = reduced[offset : offset + param.numel()].view_as(param).to(param.dtype)
-            offset += param.numel()
+                    param.accumulate_sharded_grad(reduced[offset : offset + numel])
+            else:
+                numel = param.numel()
+                if arrived:
+                    param.grad = reduced[offset : offset + numel].view_as(param).to(param.dtype)
+            offset += numel

@@ -71,8 +71,8 @@ from lightning_fsdp.checkpoint.pretrained import load_pretrained  # noqa: E402
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded, sharded_checkpoint_state  # noqa: E402
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig  # noqa: E402
 from lightning_fsdp.engine.state_dict import full_state_dict, init_optimizer_state, load_full_state_dict  # noqa: E402
-from lightning_fsdp.launch import free_port, spawn_with_deadline  # noqa: E402
-from lightning_fsdp.process_exit import exit_now  # noqa: E402
+from lightning_fsdp.runtime.launch import free_port, spawn_with_deadline  # noqa: E402
+from lightning_fsdp.runtime.process_exit import exit_now  # noqa: E402
 
 MB = 1e6
 
@@ -216,7 +216,7 @@ def _rank(rank: int, args: Args, port: int) -> None:
         (folder / "ranks.json").write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
-    exit_now()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+    exit_now()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py
 
 
 def run_ranks(args: Args) -> list[dict[str, Any]]:

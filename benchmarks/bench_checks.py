@@ -37,9 +37,10 @@ from engine_bench.config import CORPUS_BYTES, PRESETS, BenchArgs, parse_args  # 
 from engine_bench.trainees import build, train_step  # noqa: E402
 
 from lightning_fsdp.demos.corpus import load_corpus, random_batches  # noqa: E402
-from lightning_fsdp.engine import hooks, ledger, shm  # noqa: E402
-from lightning_fsdp.launch import free_port, spawn_with_deadline  # noqa: E402
-from lightning_fsdp.process_exit import exit_now  # noqa: E402
+from lightning_fsdp.engine import hooks  # noqa: E402
+from lightning_fsdp.engine.transport import ledger, shm  # noqa: E402
+from lightning_fsdp.runtime.launch import free_port, spawn_with_deadline  # noqa: E402
+from lightning_fsdp.runtime.process_exit import exit_now  # noqa: E402
 
 SPENT: Counter[str] = Counter()
 

@@ -41,8 +41,8 @@ import torch.distributed as dist
 # Run as a script from a checkout where the package is not installed: make the repository root importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_fsdp.launch import free_port, spawn_with_deadline  # noqa: E402
-from lightning_fsdp.process_exit import exit_now  # noqa: E402
+from lightning_fsdp.runtime.launch import free_port, spawn_with_deadline  # noqa: E402
+from lightning_fsdp.runtime.process_exit import exit_now  # noqa: E402
 
 IMPLS = ("ours", "fsdp2", "plain")
 TITLES = {"ours": "ours", "fsdp2": "torch FSDP2", "plain": "plain module"}
@@ -157,7 +157,7 @@ def measure(rank: int, impl: str, setup: Setup, port: int, out: str) -> None:
     }
     Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
-    exit_now()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+    exit_now()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py
 
 
 def run(impl: str, setup: Setup) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""What the deferred signals cost per training step (lightning_fsdp/preemption.py): 2 CPU ranks, the demo GPT.
+"""What the deferred signals cost per training step (lightning_fsdp/trainer/preemption.py): 2 CPU ranks, the demo GPT.
 
     python benchmarks/bench_signals.py                      # ~14M params (bench_trainer's model), 3 rounds
     python benchmarks/bench_signals.py --n-layer 2 --n-embd 64 --n-head 2 --rounds 1 --steps 3   # a smoke test
@@ -39,9 +39,9 @@ from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.datamodule import CharDataModule
 from lightning_fsdp.demos.gpt import Block
 from lightning_fsdp.demos.lit_gpt import LitGPT
-from lightning_fsdp.launch import free_port
-from lightning_fsdp.preemption import DeferredSignals
-from lightning_fsdp.process_exit import exit_after_distributed_run
+from lightning_fsdp.runtime.launch import free_port
+from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
+from lightning_fsdp.trainer.preemption import DeferredSignals
 
 VARIANTS = ("with", "without")
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.out is not None:
         run_rank(args)
-        exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+        exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py
         return
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "records.json"

@@ -75,7 +75,7 @@ from lightning_fsdp import FSDPStrategy  # noqa: E402
 from lightning_fsdp.demos.datamodule import CharDataModule  # noqa: E402
 from lightning_fsdp.demos.gpt import Block  # noqa: E402
 from lightning_fsdp.demos.lit_gpt import LitGPT  # noqa: E402
-from lightning_fsdp.process_exit import exit_now  # noqa: E402
+from lightning_fsdp.runtime.process_exit import exit_now  # noqa: E402
 
 IMPLS = ("ddp", "myfsdp", "myfsdp_default", "myfsdp_prefetch", "plain")
 PLAIN_PROCESSES = 2  # "plain" runs as many processes as the strategies have ranks
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.impl is not None:
         run_one(args)
-        exit_now()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+        exit_now()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py
     source = source_state()
     records: dict[str, list[dict[str, Any]]] = {impl: [] for impl in args.impls}
     failures: list[str] = []

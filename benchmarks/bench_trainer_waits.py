@@ -45,7 +45,7 @@ from bench_trainer import timing_trainer  # noqa: E402
 from lightning_fsdp.demos.datamodule import CharDataModule  # noqa: E402
 from lightning_fsdp.demos.lit_gpt import LitGPT  # noqa: E402
 from lightning_fsdp.engine import shm  # noqa: E402
-from lightning_fsdp.process_exit import exit_now  # noqa: E402
+from lightning_fsdp.runtime.process_exit import exit_now  # noqa: E402
 
 WAITS: list[tuple[float, float, str, str]] = []  # (start, seconds, "data" or "slot", unit)
 
@@ -134,7 +134,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.out is not None:
         fit(args)
-        exit_now()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+        exit_now()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "waits.json"
         command = [sys.executable, __file__, "--out", str(out)]

@@ -27,7 +27,7 @@ from lightning_fsdp.checkpoint.full import save_full_checkpoint
 from lightning_fsdp.demos.datamodule import CharDataModule
 from lightning_fsdp.demos.hf_causal_lm import HFCausalLM
 from lightning_fsdp.engine.state_dict import full_state_dict
-from lightning_fsdp.process_exit import exit_after_distributed_run
+from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 
 def make_tiny_llama(folder: Path) -> None:

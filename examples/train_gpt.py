@@ -24,7 +24,7 @@ from torch import nn
 from lightning_fsdp import clip_grad_norm_, fully_shard
 from lightning_fsdp.demos.corpus import VOCAB_SIZE, load_corpus, random_batches
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.process_exit import exit_now
+from lightning_fsdp.runtime.process_exit import exit_now
 
 N_HEAD = 4
 BLOCK_SIZE = 64
@@ -143,4 +143,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    exit_now()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+    exit_now()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py

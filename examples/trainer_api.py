@@ -21,7 +21,7 @@ from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.datamodule import CharDataModule
 from lightning_fsdp.demos.gpt import Block
 from lightning_fsdp.demos.lit_gpt import LitGPT
-from lightning_fsdp.process_exit import exit_after_distributed_run
+from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,4 +74,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py

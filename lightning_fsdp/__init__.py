@@ -3,8 +3,14 @@
 Importing the package registers the strategy names ``"myfsdp"``, ``"myfsdp_shard_grad_op"`` and
 ``"myfsdp_cpu_offload"`` with Lightning's Trainer and with Fabric, so ``Trainer(strategy="myfsdp")`` and
 ``Fabric(strategy="myfsdp")`` work after ``import lightning_fsdp``. It does so without importing Lightning itself
-(see ``registration.py``): the engine, ``lightning_fsdp.engine``, needs torch only, and what needs Lightning here
-(the strategies, the precision plugins, the EMA callback) is imported on first use.
+(see ``adapter/registration.py``): the engine, ``lightning_fsdp.engine``, needs torch only, and what needs Lightning
+here (the strategies, the precision plugins, the EMA callback) is imported on first use.
+
+The layout, one folder per layer: ``engine/`` (the FSDP engine, torch only; ``engine/transport/`` moves the bytes),
+``adapter/`` (what the two Lightning adapters share), ``trainer/`` (the Trainer's strategy), ``fabric/`` (Fabric's),
+``checkpoint/`` (formats, safety, storage), ``averaging/`` (EMA), ``runtime/`` (processes), ``demos/`` (the demo
+GPT and data), ``cli.py`` with ``estimate.py`` (the command line). ``old_paths.py`` keeps the paths of the flat
+layout importable.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from lightning_fsdp.adapter.registration import register_when_lightning_loads
 from lightning_fsdp.engine import (
     BackwardPrefetch,
     MixedPrecision,
@@ -25,24 +32,24 @@ from lightning_fsdp.engine import (
     size_based_policy,
     summon_full_params,
 )
-from lightning_fsdp.registration import register_when_lightning_loads
+from lightning_fsdp.old_paths import keep_old_paths_importable
 
 if TYPE_CHECKING:
     from lightning_fsdp.averaging import ShardedEMA
     from lightning_fsdp.checkpoint.pretrained import load_pretrained
     from lightning_fsdp.estimate import estimate_memory
     from lightning_fsdp.fabric import FabricFSDPPrecision, FabricFSDPStrategy
-    from lightning_fsdp.precision import FSDPPrecision, ShardedGradScaler
-    from lightning_fsdp.strategy import FSDPStrategy
+    from lightning_fsdp.trainer.precision import FSDPPrecision, ShardedGradScaler
+    from lightning_fsdp.trainer.strategy import FSDPStrategy
 
 # Exports whose modules import Lightning: loaded when first asked for.
 _LAZY = {
     "FabricFSDPPrecision": "lightning_fsdp.fabric",
     "FabricFSDPStrategy": "lightning_fsdp.fabric",
-    "FSDPPrecision": "lightning_fsdp.precision",
-    "FSDPStrategy": "lightning_fsdp.strategy",
+    "FSDPPrecision": "lightning_fsdp.trainer.precision",
+    "FSDPStrategy": "lightning_fsdp.trainer.strategy",
     "ShardedEMA": "lightning_fsdp.averaging",
-    "ShardedGradScaler": "lightning_fsdp.precision",
+    "ShardedGradScaler": "lightning_fsdp.trainer.precision",
     "estimate_memory": "lightning_fsdp.estimate",
     "load_pretrained": "lightning_fsdp.checkpoint.pretrained",
 }
@@ -54,6 +61,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'lightning_fsdp' has no attribute {name!r}")
 
 
+keep_old_paths_importable()  # lightning_fsdp.strategy and the other paths of the old layout
 register_when_lightning_loads()
 
 __all__ = [

@@ -28,7 +28,7 @@ from lightning_fsdp.checkpoint.convert import FORMATS, convert
 from lightning_fsdp.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.estimate import main as estimate_main
-from lightning_fsdp.process_exit import exit_after_distributed_run
+from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 __all__ = ["LightningFSDPCLI", "convert_main", "main", "report_artifacts"]
 
@@ -147,7 +147,7 @@ def main(args: list[str] | None = None) -> None:
 
     After a successful run that joined a process group, the process ends with ``os._exit(0)``: a gloo worker
     thread may still be releasing its last collective's tensors while the interpreter shuts down, which aborts
-    a finished run with SIGABRT (see [Note: gloo exit race] in lightning_fsdp/process_exit.py). Everything is
+    a finished run with SIGABRT (see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py). Everything is
     written and printed by then. A failure raises as usual.
     """
     argv = sys.argv[1:] if args is None else args

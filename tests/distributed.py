@@ -1,8 +1,8 @@
 """The one helper for multi-process tests: run a function on ``world_size`` ranks in a process group and fail loudly.
 
 Every distributed test goes through :func:`run_distributed` so that all of them share the same guarantees, which
-:func:`lightning_fsdp.launch.spawn_with_deadline` gives (the benchmarks launch through it too): a rank that raises
-fails the test at once with that rank's traceback (the other ranks are terminated rather than left waiting in a
+:func:`lightning_fsdp.runtime.launch.spawn_with_deadline` gives (the benchmarks launch through it too): a rank that
+raises fails the test at once with that rank's traceback (the other ranks are terminated rather than left waiting in a
 collective), a hang fails after ``timeout`` seconds instead of eating CI's budget, and no rank outlives the call.
 """
 
@@ -17,13 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp.launch import free_port, spawn_with_deadline
-from lightning_fsdp.process_exit import exit_now
+from lightning_fsdp.runtime.launch import free_port, spawn_with_deadline
+from lightning_fsdp.runtime.process_exit import exit_now
 
 __all__ = ["run_distributed"]
 
 # Imported once by the server the ranks are forked from (see [Note: ranks forked from a server] in
-# lightning_fsdp/launch.py) instead of by every rank: the parity harness most tests use, and Lightning (which
+# lightning_fsdp/runtime/launch.py) instead of by every rank: the parity harness most tests use, and Lightning (which
 # imports transformers) for the tests that train under a Trainer or Fabric inside the ranks.
 _PRELOAD = ("tests.engine_harness", "lightning.pytorch")
 
@@ -67,4 +67,4 @@ def _run_rank(
     fn(rank, world_size, *args)
     # Only on success: a failing rank exits at once, and its exit closes the group's connections anyway.
     dist.destroy_process_group()
-    exit_now()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+    exit_now()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py

@@ -32,7 +32,7 @@ from lightning_fsdp import (
     summon_full_params,
 )
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine import shm
+from lightning_fsdp.engine.transport import shm
 
 RTOL = 1e-5
 # Biases start at zero and move about lr per step, so their own scale is ~1e-3 after a few steps; an absolute
@@ -81,7 +81,8 @@ class Run:
 
 def reduce_scatter_kind() -> str:
     """How a reduce-scatter between gloo ranks of one host is counted: through shared memory (the default, see
-    ``lightning_fsdp/engine/shm.py``) it is one; with that switched off it is an all-to-all plus a local sum."""
+    ``lightning_fsdp/engine/transport/shm.py``) it is one; with that switched off it is an all-to-all plus a local
+    sum."""
     return "reduce_scatter" if shm.enabled() else "all_to_all"
 
 

@@ -35,12 +35,12 @@ from safetensors.torch import save as save_safetensors
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.checkpoint.pretrained import load_pretrained
-from lightning_fsdp.checkpoint_io import AtomicCheckpointIO
 from lightning_fsdp.cli import main as cli_main
 from lightning_fsdp.demos.gpt import GPT
 from lightning_fsdp.engine.state_dict import full_state_dict
 from lightning_fsdp.fabric import FabricFSDPStrategy
-from lightning_fsdp.launch import free_port
+from lightning_fsdp.runtime.launch import free_port
+from lightning_fsdp.trainer.checkpoint_io import AtomicCheckpointIO
 from tests.distributed import run_distributed
 from tests.engine_harness import ATOL, RTOL
 from tests.scripts.strategy_common import TINY, LitGPT, token_loader

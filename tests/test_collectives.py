@@ -11,14 +11,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_fsdp.engine import collectives
-from lightning_fsdp.engine.buffers import BufferPool
-from lightning_fsdp.engine.comm_stats import CollectiveCounter
-from lightning_fsdp.engine.gloo import GlooTransport
-from lightning_fsdp.engine.ledger import CollectiveMismatchError, Ledger
-from lightning_fsdp.engine.nccl import NcclTransport
 from lightning_fsdp.engine.param import ShardLayout
-from lightning_fsdp.engine.shm import SharedMemoryTransport
 from lightning_fsdp.engine.transport import CHUNK_SWITCH, SingleRank, Transport, standalone_transport
+from lightning_fsdp.engine.transport.buffers import BufferPool
+from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.transport.gloo import GlooTransport
+from lightning_fsdp.engine.transport.ledger import CollectiveMismatchError, Ledger
+from lightning_fsdp.engine.transport.nccl import NcclTransport
+from lightning_fsdp.engine.transport.shm import SharedMemoryTransport
 from tests.distributed import run_distributed
 
 # (rows, row shape): divisible, not divisible, fewer rows than ranks, a 0-dim tensor.
@@ -41,9 +41,10 @@ def test_layout_gives_every_row_to_exactly_one_rank(world_size: int, rows: int) 
 
 
 def _transports(group: dist.ProcessGroup) -> dict[str, Transport]:
-    """Every transport a CPU group can run: NCCL's data path runs on gloo without side streams (see ``nccl.py``),
-    and shared memory with slots of 64 bytes, so every collective below streams in chunks whose edges fall inside
-    parameters, inside padding and between ranks' rows (see [Note: chunks] in ``shm.py``)."""
+    """Every transport a CPU group can run: NCCL's data path runs on gloo without side streams (see
+    ``transport/nccl.py``), and shared memory with slots of 64 bytes, so every collective below streams in chunks
+    whose edges fall inside parameters, inside padding and between ranks' rows (see [Note: chunks] in
+    ``transport/shm.py``)."""
     sizes = {"all_gather": 4096, "reduce_scatter": 4096}
     shared, reason = SharedMemoryTransport.create(group, sizes)
     assert shared is not None, f"ranks of one host share memory, but: {reason}"
@@ -62,7 +63,7 @@ def _transports(group: dist.ProcessGroup) -> dict[str, Transport]:
 
 class GlooInChunks(GlooTransport):
     """Gloo with chunks of ~200 bytes: a few elements or columns of the shapes below per chunk (one at 4 ranks),
-    stamps included (see [Note: chunks over gloo] in ``gloo.py``)."""
+    stamps included (see [Note: chunks over gloo] in ``transport/gloo.py``)."""
 
     def all_gather_into(self, *args, **kwargs):
         with _chunk_mib("0.0002"):

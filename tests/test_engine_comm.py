@@ -11,14 +11,15 @@ import torch
 
 from lightning_fsdp import fully_shard
 from lightning_fsdp.demos.gpt import GPT, Block
-from lightning_fsdp.engine import shm
-from lightning_fsdp.engine.comm_stats import CollectiveCounter
-from lightning_fsdp.engine.ledger import DIGEST_BITS, STAMP_BYTES
+from lightning_fsdp.engine.transport import shm
+from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.transport.ledger import DIGEST_BITS, STAMP_BYTES
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT, data_moving, initialize, reduce_scatter_kind
 
 FP32 = 4
-# Bytes a gloo collective sends beyond its data (see [Note: stamps in the frames] in lightning_fsdp/engine/gloo.py):
+# Bytes a gloo collective sends beyond its data (see [Note: stamps in the frames] in
+# lightning_fsdp/engine/transport/gloo.py):
 # a stamp per frame; a summing collective carries digest bits in the data's dtype instead.
 FRAME_OVERHEAD = {
     "all_gather": lambda world_size: STAMP_BYTES,
@@ -31,7 +32,7 @@ def _unit_shard_numels(model: GPT, world_size: int) -> list[int]:
     """Per unit (blocks in order, then the root), the padded elements one rank packs: sum of ceil(rows/W) rows.
 
     Over gloo alone the reduce-scatter is an all-to-all of the (W, shard_sum) gradient buffer plus a local sum
-    (see [Note: reduce-scatter on gloo] in ``gloo.py``), so it is counted as "all_to_all"; through shared
+    (see [Note: reduce-scatter on gloo] in ``transport/gloo.py``), so it is counted as "all_to_all"; through shared
     memory it is counted as the reduce-scatter it is, with the same send buffer.
     """
 

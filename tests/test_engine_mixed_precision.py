@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_fsdp import MixedPrecision, fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block
-from lightning_fsdp.engine.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT, initialize, max_relative_error, reduce_scatter_kind
 

@@ -39,7 +39,7 @@ assert type(trainer.strategy) is FSDPStrategy, trainer.strategy
 # One of our Lightning-dependent modules imported first: it imports Lightning while half-initialised itself, and the
 # registration that runs inside that import must not import it again.
 OUR_LIGHTNING_MODULE_FIRST = """
-from lightning_fsdp.precision import FSDPPrecision
+from lightning_fsdp.trainer.precision import FSDPPrecision
 from lightning_fsdp.averaging import ShardedEMA
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
@@ -57,7 +57,7 @@ assert "myfsdp" not in StrategyRegistry
 import sys
 import lightning_fsdp
 assert "myfsdp" in StrategyRegistry, "registered at once when Lightning is already loaded"
-assert "lightning_fsdp.strategy" not in sys.modules
+assert "lightning_fsdp.trainer.strategy" not in sys.modules
 registered = StrategyRegistry["myfsdp_shard_grad_op"]["strategy"]  # imports the class on first read
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch import Trainer

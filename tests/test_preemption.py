@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_fsdp.launch import free_port
+from lightning_fsdp.runtime.launch import free_port
 from tests.engine_harness import ATOL, RTOL
 from tests.strategy_scripts import SCRIPTS
 

@@ -16,15 +16,15 @@ import torch.distributed as dist
 
 from lightning_fsdp import fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine import collectives, peer_wait, shm
+from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.collectives import RankRows
-from lightning_fsdp.engine.comm_stats import CollectiveCounter
-from lightning_fsdp.engine.gloo import GlooTransport
-from lightning_fsdp.engine.ledger import CollectiveMismatchError, Ledger
-from lightning_fsdp.engine.peer_wait import PeerExitedError
 from lightning_fsdp.engine.registry import units_under
-from lightning_fsdp.engine.shm import SLOTS, SharedMemoryTransport
-from lightning_fsdp.engine.transport import CHUNK_SWITCH, Pending, chunk_limit
+from lightning_fsdp.engine.transport import CHUNK_SWITCH, Pending, chunk_limit, peer_wait, shm
+from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.transport.gloo import GlooTransport
+from lightning_fsdp.engine.transport.ledger import CollectiveMismatchError, Ledger
+from lightning_fsdp.engine.transport.peer_wait import PeerExitedError
+from lightning_fsdp.engine.transport.shm import SLOTS, SharedMemoryTransport
 from tests.distributed import run_distributed
 
 
@@ -180,10 +180,10 @@ def _check_a_large_root_streams_in_chunks(rank: int, world_size: int, stalled: b
     """A language model's root holds its embedding and untied head (4093 rows each: padded shards) and chunks are
     bounded below a block's reduction: every collective still goes through shared memory, the larger ones in
     chunks, the segment stays five slots of the bound, and training equals the unsharded model's (see [Note:
-    chunks] in ``shm.py``).
+    chunks] in ``transport/shm.py``).
     ``stalled``: rank 1 is slow at every chunk it packs, so the others wait for its chunks and for its reads.
     Without ``shared_memory`` the same over gloo, whose large collectives go in chunks too (see [Note: chunks over
-    gloo] in ``gloo.py``)."""
+    gloo] in ``transport/gloo.py``)."""
     os.environ[CHUNK_SWITCH] = "0.01"  # 10485 bytes: a block's gather fits, its reduction and the root's do not
     os.environ[shm.ENV_SWITCH] = "1" if shared_memory else "0"
     config = GPTConfig(vocab_size=4093, block_size=8, n_layer=2, n_head=2, n_embd=16, tie_weights=False)

@@ -14,8 +14,8 @@ from lightning.pytorch.plugins.precision import Precision
 
 import lightning_fsdp
 from lightning_fsdp import FabricFSDPStrategy, FSDPPrecision, FSDPStrategy, MixedPrecision
+from lightning_fsdp.adapter.lightning_arguments import TORCH_FSDP_DEFAULTS
 from lightning_fsdp.demos.gpt import Block
-from lightning_fsdp.lightning_arguments import TORCH_FSDP_DEFAULTS
 
 
 def cpu_trainer(strategy: object, **kwargs: object) -> L.Trainer:

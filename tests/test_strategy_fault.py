@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fsdp.launch import free_port
+from lightning_fsdp.runtime.launch import free_port
 from tests.strategy_scripts import SCRIPTS
 
 STRATEGY_TIMEOUT_S = 20  # as in the script

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_fsdp.launch import free_port
+from lightning_fsdp.runtime.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "two_nodes.py"

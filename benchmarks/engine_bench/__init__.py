@@ -20,8 +20,8 @@ Why it is built this way:
 - Implementations are interleaved round by round (ours, fsdp2, ddp, ours, fsdp2, ddp, ...): the machine is
   shared, and noise that comes and goes then hits all of them alike instead of whichever ran during it.
 - Without torchrun, each (round, implementation) runs in fresh processes, forked from a server that imported
-  torch once (``lightning_fsdp.launch``). ``ru_maxrss`` is a process-lifetime peak, so only a fresh process gives
-  each implementation its own peak; all of them start from the server's memory, which the baseline row removes.
+  torch once (``lightning_fsdp.runtime.launch``). ``ru_maxrss`` is a process-lifetime peak, so only a fresh process
+  gives each implementation its own peak; all of them start from the server's memory, which the baseline row removes.
   Under torchrun all of them share the processes and the reported peak RSS is the running peak (marked "not
   isolated").
 - Step time is per step the slowest rank's wall time (collectives make the ranks wait for each other anyway),
@@ -32,8 +32,8 @@ Why it is built this way:
   "live tensors" figure is the same over every tensor the garbage collector can reach, which catches buffers
   an engine keeps alive outside the parameters, plus this rank's own shared-memory segment of ours (allocated
   whole when the transport is created; its size in ``/proc/self/maps``, so no engine internals are needed).
-- Communication volume is counted with ``CollectiveCounter`` (lightning_fsdp/engine/comm_stats.py) on one extra
-  step that is not timed, because its dispatch mode slows every operator.
+- Communication volume is counted with ``CollectiveCounter`` (lightning_fsdp/engine/transport/comm_stats.py) on one
+  extra step that is not timed, because its dispatch mode slows every operator.
 - Communication time comes from ``torch.profiler`` on one more untimed step: "comm busy" is the union of the
   intervals in which the backend (gloo's worker threads) runs a collective; "comm exposed" is the part of it
   during which the training thread runs no compute operator. The latter is an upper bound on waiting: Python

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp.launch import free_port, spawn_with_deadline
-from lightning_fsdp.process_exit import exit_now
+from lightning_fsdp.runtime.launch import free_port, spawn_with_deadline
+from lightning_fsdp.runtime.process_exit import exit_now
 
 from .config import SHARED_MEMORY_SWITCH, BenchArgs
 from .measure import run_impl
@@ -51,7 +51,7 @@ def _spawned_rank(rank: int, impl: str, args: BenchArgs, port: int, out: str) ->
             Path(out).write_text(json.dumps(gathered))
     finally:
         dist.destroy_process_group()
-    exit_now()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+    exit_now()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py
 
 
 def spawn_impl(impl: str, args: BenchArgs) -> list[dict[str, Any]] | str:

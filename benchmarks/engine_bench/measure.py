@@ -19,7 +19,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from lightning_fsdp.demos.corpus import load_corpus, random_batches
-from lightning_fsdp.engine.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
 
 from .config import CORPUS_BYTES, BenchArgs
 from .trainees import Trainee, build, train_step
@@ -77,7 +77,8 @@ def live_tensor_bytes() -> int:
     return _storages(tensors(), set())
 
 
-#: How the engine names this process's shared-memory segment in /proc/<pid>/maps (see lightning_fsdp/engine/shm.py).
+#: How the engine names this process's shared-memory segment in /proc/<pid>/maps
+#: (see lightning_fsdp/engine/transport/shm.py).
 SEGMENT_NAME = "/memfd:lightning_fsdp-{pid} (deleted)"
 
 

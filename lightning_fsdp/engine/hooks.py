@@ -103,11 +103,11 @@ from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_fsdp.engine.fingerprint import check_same_model
-from lightning_fsdp.engine.ledger import Ledger
 from lightning_fsdp.engine.module_buffers import broadcast_buffers
 from lightning_fsdp.engine.options import BackwardPrefetch
 from lightning_fsdp.engine.registry import unit_of, units_under
 from lightning_fsdp.engine.transport import Transport, choose_transport
+from lightning_fsdp.engine.transport.ledger import Ledger
 from lightning_fsdp.engine.unit import FSDPUnit, PendingGradReduction, ShardState
 
 log = logging.getLogger(__name__)
@@ -168,8 +168,8 @@ class RootContext:
         (a collective over the group: this runs at the root's first forward, on every rank alike).
 
         Every unit counts, the root too: the shared-memory transport bounds its slots itself and streams a larger
-        collective through them in chunks (see [Note: chunks] in ``shm.py``), so a language model's root -- its
-        embedding and head, often the largest unit by far -- neither sizes the segment nor leaves shared memory.
+        collective through them in chunks (see [Note: chunks] in ``transport/shm.py``), so a language model's root --
+        its embedding and head, often the largest unit by far -- neither sizes the segment nor leaves shared memory.
         """
         root = self.root
         needs: dict[int, dict[str, int]] = {}

@@ -29,10 +29,10 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, value_checksum
-from lightning_fsdp.engine.ledger import Stamp
 from lightning_fsdp.engine.options import ShardingOptions
 from lightning_fsdp.engine.param import FSDPParam, gather_masters
 from lightning_fsdp.engine.transport import Pending, Transport, standalone_transport
+from lightning_fsdp.engine.transport.ledger import Stamp
 
 # Gradients of at least this many bytes that arrive while other units' backward is still to run are reduced at
 # once, in a collective of their own: see [Note: gradients that arrive long before their unit's backward ends].
@@ -276,8 +276,8 @@ class FSDPUnit:
         """Stage 5: reshard, launch the gradient reduction (unless sync is off), and say so.
 
         Resharding first gives the full parameters back before the reduction packs (and, for a unit larger than a
-        shared-memory slot, mostly runs: see [Note: chunks] in ``shm.py``): the gradients are tensors of their own,
-        so a rank never holds a unit's full parameters, its full gradients and its reduced rows at once. For a
+        shared-memory slot, mostly runs: see [Note: chunks] in ``transport/shm.py``): the gradients are tensors of their
+        own, so a rank never holds a unit's full parameters, its full gradients and its reduced rows at once. For a
         language model's root (embedding and head) that is the peak of the step, measured on the benchmark model.
         """
         self._expect("finish its backward", TrainingState.IDLE, TrainingState.FORWARD, TrainingState.PRE_BACKWARD)

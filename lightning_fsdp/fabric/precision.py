@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.engine import MixedPrecision as EngineMixedPrecision
-from lightning_fsdp.precision import SUPPORTED_PRECISIONS, FSDPPrecision, PrecisionName, ShardedGradScaler
+from lightning_fsdp.trainer.precision import SUPPORTED_PRECISIONS, FSDPPrecision, PrecisionName, ShardedGradScaler
 
 __all__ = ["FabricFSDPPrecision", "as_fabric_fsdp_precision"]
 

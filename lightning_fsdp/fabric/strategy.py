@@ -2,9 +2,9 @@
 
 Fabric calls a strategy from the user's own loop; this one answers as follows.
 
-- ``__init__``: the Trainer strategy's arguments, read by the same code (``sharding_setup.py``), so a config moves
-  between ``Trainer`` and ``Fabric`` unchanged. ``state_dict_type`` defaults to ``"sharded"``, as Lightning Fabric's
-  FSDP does.
+- ``__init__``: the Trainer strategy's arguments, read by the same code (``adapter/sharding_setup.py``), so a config
+  moves between ``Trainer`` and ``Fabric`` unchanged. ``state_dict_type`` defaults to ``"sharded"``, as Lightning
+  Fabric's FSDP does.
 - ``setup_environment``: ranks from the cluster environment, the HYBRID_SHARD mesh checked, the process group with
   the strategy's timeout (an existing group, torchrun's or a test's, is used as it is).
 - ``fabric.init_module(empty_init=True)``: modules on the meta device, materialized unit by unit when set up.
@@ -22,19 +22,16 @@ Fabric calls a strategy from the user's own loop; this one answers as follows.
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from datetime import timedelta
-from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 from weakref import WeakSet
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY, ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
@@ -44,11 +41,13 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
+from lightning_fsdp.adapter.sharding_setup import ShardedModelSetup
+from lightning_fsdp.adapter.strategy_arguments import publish_arguments
+from lightning_fsdp.adapter.strategy_names import register_names
 from lightning_fsdp.checkpoint.async_save import BackgroundSaver
 from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_rank
 from lightning_fsdp.checkpoint.location import is_remote
@@ -68,9 +67,6 @@ from lightning_fsdp.fabric.checkpoint import (
     split_state,
 )
 from lightning_fsdp.fabric.precision import FabricFSDPPrecision, as_fabric_fsdp_precision
-from lightning_fsdp.lightning_arguments import refuse_unknown_keywords
-from lightning_fsdp.registration import register_names
-from lightning_fsdp.sharding_setup import Policy, ShardedModelSetup, ShardingName, flag
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -100,11 +96,14 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
             rank's part is copied to CPU memory; the next save waits for the write and raises its failure, as does
             ``fabric.strategy.teardown()``, which waits for the last write (the interpreter waits for it at exit too).
             Sharded, local paths only.
-        **kwargs: anything else is refused with a sentence; ``strategy.kwargs`` holds the torch-FSDP keywords given,
-            as Lightning's Trainer strategy keeps them (read-only).
+        **arguments: the arguments both strategies share (``adapter/strategy_arguments.py``), published in this
+            signature; anything else is refused with a sentence. ``strategy.kwargs`` holds the torch-FSDP keywords
+            given, as Lightning's Trainer strategy keeps them (read-only).
     """
 
     strategy_name = "myfsdp"
+
+    argument_defaults: ClassVar[Mapping[str, Any]] = {"state_dict_type": "sharded"}  # as Lightning Fabric's FSDP
 
     def __init__(
         self,
@@ -112,67 +111,15 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        cpu_offload: bool | Any | None = None,
-        mixed_precision: MixedPrecision | Any | None = None,
-        auto_wrap_policy: Policy = None,
-        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
-        activation_checkpointing_policy: Policy = None,
-        sharding_strategy: ShardingName | Enum = "FULL_SHARD",
-        state_dict_type: Literal["full", "sharded"] = "sharded",
-        device_mesh: tuple[int, int] | DeviceMesh | None = None,
-        backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] | Enum | None = "BACKWARD_PRE",
-        forward_prefetch: bool = False,
-        limit_all_gathers: bool = True,
-        sync_module_states: bool = False,
-        param_init_fn: Callable[[nn.Module], None] | None = None,
-        process_group: dist.ProcessGroup | None = None,
-        ignored_modules: Iterable[nn.Module] | None = None,
-        ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
-        use_orig_params: bool = True,
-        device_id: int | torch.device | None = None,
-        trust_checkpoint: bool = False,
-        storage_options: dict[str, Any] | None = None,
-        async_save: bool = False,
-        **kwargs: Any,
+        **arguments: Any,
     ) -> None:
-        refuse_unknown_keywords(kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             precision=precision,
         )
-        self._set_sharding_arguments(
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            cpu_offload=cpu_offload,
-            mixed_precision=mixed_precision,
-            auto_wrap_policy=auto_wrap_policy,
-            activation_checkpointing=activation_checkpointing,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-            sharding_strategy=sharding_strategy,
-            state_dict_type=state_dict_type,
-            device_mesh=device_mesh,
-            backward_prefetch=backward_prefetch,
-            forward_prefetch=forward_prefetch,
-            limit_all_gathers=limit_all_gathers,
-            sync_module_states=sync_module_states,
-            param_init_fn=param_init_fn,
-            process_group=process_group,
-            ignored_modules=ignored_modules,
-            ignored_states=ignored_states,
-            use_orig_params=use_orig_params,
-            device_id=device_id,
-            trust_checkpoint=trust_checkpoint,
-        )
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(
-                f"storage_options must be a dict of the store's fsspec options, not a {type(storage_options).__name__}."
-            )
-        self.storage_options = storage_options
-        self.async_save = flag("async_save", async_save)
+        self._set_sharding_arguments(arguments)
         if self.async_save and self.state_dict_type != "sharded":
             raise ValueError(
                 "async_save=True writes sharded checkpoints in the background; pass state_dict_type='sharded' as well "
@@ -546,4 +493,5 @@ def _raise_refusal(refusal: str | None) -> None:
         raise OSError(errno.ENOSPC, refusal) if refusal.startswith("no space") else FileExistsError(refusal)
 
 
+publish_arguments(FabricFSDPStrategy)  # the shared arguments in the signature, for configs
 FabricFSDPStrategy.register_strategies(STRATEGY_REGISTRY)  # the registry's entries for our names: this class

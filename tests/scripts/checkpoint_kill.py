@@ -28,7 +28,7 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from checkpoint_resume import Scheduled, every_n_steps, loader, myfsdp
 from strategy_common import make_trainer, out_dir
 
-from lightning_fsdp.process_exit import exit_after_distributed_run
+from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 KILL_AT_STEP = 8
 armed = {"on": False}  # set on rank 0 for the save to interrupt
@@ -103,4 +103,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py

@@ -48,7 +48,7 @@ from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.checkpoint.full import full_optimizer_state
 from lightning_fsdp.demos.gpt import Block
 from lightning_fsdp.engine.state_dict import full_state_dict
-from lightning_fsdp.process_exit import exit_after_distributed_run
+from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 SAMPLES = 16
 GLOBAL_BATCH = 4  # 4 steps an epoch: the step-4 checkpoint is the first epoch's last batch
@@ -184,4 +184,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py

@@ -2,8 +2,9 @@
 
 The test starts both ranks itself with SLURM's variables set (as ``srun`` would), so no Lightning launcher is
 involved, and puts a fake ``scontrol`` on PATH that records its arguments. Six steps, three an epoch; the signals come
-in step 2 and are acted on at the end of step 3 (see [Note: agreement a batch late] in lightning_fsdp/preemption.py),
-so the HPC checkpoint lands on the epoch's last batch (a plain DataLoader cannot resume mid-epoch).
+in step 2 and are acted on at the end of step 3 (see [Note: agreement a batch late] in
+lightning_fsdp/trainer/preemption.py), so the HPC checkpoint lands on the epoch's last batch (a plain DataLoader
+cannot resume mid-epoch).
 
 - ``requeue``: ``straight`` (never signalled, the reference); ``one_rank``: rank 1 sends itself SIGUSR1 after its
   forward in step 2, full checkpoints, and the run goes on to step 6 (the fake ``scontrol`` does not stop it); then
@@ -37,7 +38,7 @@ from strategy_common import LitGPT, make_trainer, out_dir, token_loader
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.gpt import Block
 from lightning_fsdp.engine.state_dict import full_state_dict
-from lightning_fsdp.process_exit import exit_after_distributed_run
+from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 STEPS_PER_EPOCH = 3
 STEPS = 6
@@ -132,7 +133,7 @@ def leave(status: int) -> None:
 if __name__ == "__main__":
     if sys.argv[2] == "requeue":
         requeue()
-        exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+        exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py
     try:
         sigterm()
     except SystemExit as stop:

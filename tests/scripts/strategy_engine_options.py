@@ -33,7 +33,7 @@ from strategy_common import LitGPT, make_trainer, out_dir, token_loader, write_j
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.gpt import GPT, Block
 from lightning_fsdp.engine.registry import units_under
-from lightning_fsdp.process_exit import exit_after_distributed_run
+from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 STEPS = 4
 LOCAL_BATCH = 2
@@ -127,4 +127,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py

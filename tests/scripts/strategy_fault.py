@@ -23,7 +23,7 @@ from strategy_common import LitGPT, make_trainer, out_dir, token_loader
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.gpt import Block
-from lightning_fsdp.process_exit import exit_after_distributed_run
+from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 TIMEOUT = timedelta(seconds=20)
 FAIL_AT_BATCH = 2
@@ -50,4 +50,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py

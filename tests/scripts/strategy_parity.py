@@ -18,8 +18,8 @@ from torch._dynamo.utils import counters
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.gpt import Block
-from lightning_fsdp.engine.comm_stats import CollectiveCounter
-from lightning_fsdp.process_exit import exit_after_distributed_run
+from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
+from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 STEPS = 4
 LOCAL_BATCH = 2
@@ -135,4 +135,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py

@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_fsdp import FSDPPrecision, FSDPStrategy, ShardedGradScaler
 from lightning_fsdp.demos.gpt import Block
-from lightning_fsdp.process_exit import exit_after_distributed_run
+from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 INF_BATCH = 2
 
@@ -96,4 +96,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py

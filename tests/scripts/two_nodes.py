@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from lightning_fsdp import fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine.comm_stats import CollectiveCounter
 from lightning_fsdp.engine.registry import units_under
-from lightning_fsdp.engine.shm import SharedMemoryTransport
+from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.transport.shm import SharedMemoryTransport
 
 
 def check(strategy: str) -> None:

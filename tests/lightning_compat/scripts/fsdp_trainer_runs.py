@@ -66,8 +66,8 @@ from torchmetrics import Accuracy
 from lightning_fsdp import FSDPPrecision, FSDPStrategy
 from lightning_fsdp.engine.checkpointing import is_checkpointed
 from lightning_fsdp.engine.registry import unit_of
-from lightning_fsdp.process_exit import exit_after_distributed_run
-from lightning_fsdp.sync_batchnorm import CPUCapableSyncBatchNorm
+from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
+from lightning_fsdp.trainer.sync_batchnorm import CPUCapableSyncBatchNorm
 
 OUT = Path(sys.argv[1])
 CASES: dict[str, Callable[[Path], dict[str, Any] | None]] = {}
@@ -766,7 +766,7 @@ def main() -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
-    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/process_exit.py
+    exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py
 
 
 if __name__ == "__main__":

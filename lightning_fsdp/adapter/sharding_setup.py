@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
-from enum import Enum
-from typing import Any, Literal
+from types import SimpleNamespace
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
+from lightning_fsdp.adapter.lightning_arguments import (
+    activation_checkpointing_alias,
+    refuse_unknown_keywords,
+    split_ignored,
+    torch_fsdp_keywords,
+)
+from lightning_fsdp.adapter.strategy_arguments import ARGUMENTS, Policy, WrapPolicy, strategy_arguments
 from lightning_fsdp.engine import MixedPrecision, apply_activation_checkpointing, fully_shard
 from lightning_fsdp.engine.deferred_init import has_meta_tensors
 from lightning_fsdp.engine.options import (
@@ -33,15 +40,6 @@ from lightning_fsdp.engine.options import (
 )
 from lightning_fsdp.engine.policies import as_wrap_policy, module_classes, repeated_block_class, select_unit_modules
 from lightning_fsdp.engine.registry import unit_of
-from lightning_fsdp.lightning_arguments import activation_checkpointing_alias, split_ignored, torch_fsdp_keywords
-
-WrapPolicy = Callable[[nn.Module, bool, int], bool]
-# Strings first: a config parser (LightningCLI's jsonargparse) tries the members in order, and would otherwise take
-# a class path for a callable to instantiate.
-# str first and the callable last: jsonargparse then keeps class paths from a YAML config as strings (which the
-# saved config.yaml can write back out) instead of importing them itself or reading one as "build a Block".
-Policy = Iterable[str | type[nn.Module]] | str | type[nn.Module] | WrapPolicy | None
-ShardingName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
 
 HYBRID_STRATEGIES = tuple(s.value for s in ShardingStrategy if s.is_hybrid)
 WHOLE_MODEL = "whole_model"  # auto_wrap_policy: the whole model as one unit, on purpose
@@ -55,89 +53,79 @@ class ShardedModelSetup(ABC):
     ``world_size``); the strategy says where its precision plugin's engine policy comes from.
     """
 
+    argument_defaults: ClassVar[Mapping[str, Any]] = {}  # the strategy's own defaults of shared arguments
     sharding_strategy: str
     mixed_precision: Any
     _hybrid_mesh: tuple[int, int] | DeviceMesh | None
 
-    def _set_sharding_arguments(
-        self,
-        *,
-        process_group_backend: str | None,
-        timeout: timedelta | None,
-        cpu_offload: bool | Any | None,
-        mixed_precision: MixedPrecision | Any | None,
-        auto_wrap_policy: Policy,
-        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None,
-        activation_checkpointing_policy: Policy,
-        sharding_strategy: ShardingName | Enum,
-        state_dict_type: str,
-        device_mesh: tuple[int, int] | DeviceMesh | None,
-        backward_prefetch: str | Enum | None,
-        forward_prefetch: bool,
-        limit_all_gathers: bool,
-        sync_module_states: bool,
-        param_init_fn: Callable[[nn.Module], None] | None,
-        process_group: dist.ProcessGroup | None,
-        ignored_modules: Iterable[nn.Module] | None,
-        ignored_states: Iterable[nn.Module | nn.Parameter] | None,
-        use_orig_params: bool,
-        device_id: int | torch.device | None,
-        trust_checkpoint: bool,
-    ) -> None:
-        """Check every argument (one sentence saying what to change) and keep it in the form the engine takes."""
+    def _set_sharding_arguments(self, given: dict[str, Any]) -> None:
+        """Check every shared argument (one sentence saying what to change) and keep it in the form the engine takes.
+
+        ``given``: the keywords the strategy's ``**arguments`` received; the rest take the class's
+        ``argument_defaults`` or the definition's (``strategy_arguments.py``). A keyword outside that list is refused.
+        """
+        refuse_unknown_keywords({name: value for name, value in given.items() if name not in ARGUMENTS})
+        a = SimpleNamespace(**strategy_arguments(**{**self.argument_defaults, **given}))
         self._num_nodes = 1
-        if process_group_backend is not None and not isinstance(process_group_backend, str):
-            raise ValueError(f"process_group_backend must be a string such as 'gloo', got {process_group_backend!r}.")
-        self._process_group_backend = process_group_backend
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise ValueError(f"timeout must be a datetime.timedelta (or None for torch's default), got {timeout!r}.")
-        self._timeout = timeout
-        self.sharding_strategy: str = parse_sharding_strategy(sharding_strategy).value
-        prefetch = parse_backward_prefetch(backward_prefetch)
+        if a.process_group_backend is not None and not isinstance(a.process_group_backend, str):
+            raise ValueError(f"process_group_backend must be a string such as 'gloo', got {a.process_group_backend!r}.")
+        self._process_group_backend = a.process_group_backend
+        if a.timeout is not None and not isinstance(a.timeout, timedelta):
+            raise ValueError(f"timeout must be a datetime.timedelta (or None for torch's default), got {a.timeout!r}.")
+        self._timeout = a.timeout
+        self.sharding_strategy: str = parse_sharding_strategy(a.sharding_strategy).value
+        prefetch = parse_backward_prefetch(a.backward_prefetch)
         self.backward_prefetch = None if prefetch is None else prefetch.value
-        if state_dict_type not in STATE_DICT_TYPES:
-            raise ValueError(f"state_dict_type={state_dict_type!r} is not supported; use 'full' or 'sharded'.")
-        self.state_dict_type = state_dict_type
-        if process_group is not None and device_mesh is not None:
+        if a.state_dict_type not in STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type={a.state_dict_type!r} is not supported; use 'full' or 'sharded'.")
+        self.state_dict_type = a.state_dict_type
+        if a.process_group is not None and a.device_mesh is not None:
             raise ValueError(
                 "process_group= and device_mesh= are mutually exclusive; pass the mesh alone for HYBRID_SHARD, or the "
                 "process group alone to shard over its ranks."
             )
-        self.process_group = check_process_group(process_group)
-        self.device_mesh = check_device_mesh(device_mesh, self.sharding_strategy)
-        self.auto_wrap_policy = resolve_policy(auto_wrap_policy, "auto_wrap_policy")
+        self.process_group = check_process_group(a.process_group)
+        self.device_mesh = check_device_mesh(a.device_mesh, self.sharding_strategy)
+        self.auto_wrap_policy = resolve_policy(a.auto_wrap_policy, "auto_wrap_policy")
         self.activation_checkpointing_policy = resolve_policy(
-            activation_checkpointing_alias(activation_checkpointing, activation_checkpointing_policy),
+            activation_checkpointing_alias(a.activation_checkpointing, a.activation_checkpointing_policy),
             "activation_checkpointing_policy",
         )
-        self.mixed_precision = check_mixed_precision(mixed_precision)
-        if param_init_fn is not None and not callable(param_init_fn):
-            raise ValueError(f"param_init_fn must be a callable taking a module, got {param_init_fn!r}.")
-        self.param_init_fn = param_init_fn
-        self.cpu_offload = parse_cpu_offload(cpu_offload)
-        self.forward_prefetch = flag("forward_prefetch", forward_prefetch)
-        self.limit_all_gathers = flag("limit_all_gathers", limit_all_gathers)
-        self.sync_module_states = flag("sync_module_states", sync_module_states)
-        self.use_orig_params = flag("use_orig_params", use_orig_params)
-        self.ignored_modules, self.ignored_params = split_ignored(ignored_modules, ignored_states)
-        if device_id is not None and not isinstance(device_id, int | torch.device):
-            raise ValueError(f"device_id must be a device index or a torch.device, got {device_id!r}.")
-        self.device_id = device_id
+        self.mixed_precision = check_mixed_precision(a.mixed_precision)
+        if a.param_init_fn is not None and not callable(a.param_init_fn):
+            raise ValueError(f"param_init_fn must be a callable taking a module, got {a.param_init_fn!r}.")
+        self.param_init_fn = a.param_init_fn
+        self.cpu_offload = parse_cpu_offload(a.cpu_offload)
+        self.forward_prefetch = flag("forward_prefetch", a.forward_prefetch)
+        self.limit_all_gathers = flag("limit_all_gathers", a.limit_all_gathers)
+        self.sync_module_states = flag("sync_module_states", a.sync_module_states)
+        self.use_orig_params = flag("use_orig_params", a.use_orig_params)
+        self.ignored_modules, self.ignored_params = split_ignored(a.ignored_modules, a.ignored_states)
+        if a.device_id is not None and not isinstance(a.device_id, int | torch.device):
+            raise ValueError(f"device_id must be a device index or a torch.device, got {a.device_id!r}.")
+        self.device_id = a.device_id
         self._hybrid_mesh = None  # fixed in setup_environment
-        self.trust_checkpoint = flag("trust_checkpoint", trust_checkpoint)
+        self.trust_checkpoint = flag("trust_checkpoint", a.trust_checkpoint)
+        if a.storage_options is not None and not isinstance(a.storage_options, dict):
+            raise TypeError(
+                "storage_options must be a dict of the store's fsspec options, not a "
+                f"{type(a.storage_options).__name__}."
+            )
+        self.storage_options = a.storage_options
+        self.async_save = flag("async_save", a.async_save)
         self.kwargs = torch_fsdp_keywords(
             {
-                "auto_wrap_policy": auto_wrap_policy,
-                "device_mesh": device_mesh,
-                "process_group": process_group,
-                "backward_prefetch": backward_prefetch,
-                "forward_prefetch": forward_prefetch,
-                "limit_all_gathers": limit_all_gathers,
-                "sync_module_states": sync_module_states,
-                "param_init_fn": param_init_fn,
-                "device_id": device_id,
-                "ignored_modules": ignored_modules,
-                "ignored_states": ignored_states,
+                "auto_wrap_policy": a.auto_wrap_policy,
+                "device_mesh": a.device_mesh,
+                "process_group": a.process_group,
+                "backward_prefetch": a.backward_prefetch,
+                "forward_prefetch": a.forward_prefetch,
+                "limit_all_gathers": a.limit_all_gathers,
+                "sync_module_states": a.sync_module_states,
+                "param_init_fn": a.param_init_fn,
+                "device_id": a.device_id,
+                "ignored_modules": a.ignored_modules,
+                "ignored_states": a.ignored_states,
             },
             self.use_orig_params,
         )

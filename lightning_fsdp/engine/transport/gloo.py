@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.collectives import RankRows
-from lightning_fsdp.engine.ledger import DIGEST_BITS, STAMP_BYTES, Stamp
-from lightning_fsdp.engine.transport import PIPELINE, Pending, Transport, chunk_limit
+from lightning_fsdp.engine.transport.base import PIPELINE, Pending, Transport, chunk_limit
+from lightning_fsdp.engine.transport.ledger import DIGEST_BITS, STAMP_BYTES, Stamp
 
 # torch 2.13 renamed the flat-tensor all-gather; older releases only have the old name.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -68,10 +68,10 @@ from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.collectives import RankRows
-from lightning_fsdp.engine.gloo import GlooTransport
-from lightning_fsdp.engine.ledger import STAMP_NUMEL, CollectiveMismatchError, Stamp
-from lightning_fsdp.engine.peer_wait import ORDERED_STORES, int64_words, wait_until
-from lightning_fsdp.engine.transport import PIPELINE, Pending, Transport, announce, chunk_limit
+from lightning_fsdp.engine.transport.base import PIPELINE, Pending, Transport, announce, chunk_limit
+from lightning_fsdp.engine.transport.gloo import GlooTransport
+from lightning_fsdp.engine.transport.ledger import STAMP_NUMEL, CollectiveMismatchError, Stamp
+from lightning_fsdp.engine.transport.peer_wait import ORDERED_STORES, int64_words, wait_until
 
 ENV_SWITCH = "LIGHTNING_FSDP_SHARED_MEMORY"
 SEGMENT_NAME = "lightning_fsdp"  # how the segments show in /proc/<pid>/maps: "/memfd:lightning_fsdp-<pid> (deleted)"

@@ -24,7 +24,6 @@ is how ``comm_stats.CollectiveCounter`` counts them: no call into the statistics
 
 from __future__ import annotations
 
-import logging
 import os
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -36,11 +35,9 @@ from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
 from lightning_fsdp.engine import collectives
-from lightning_fsdp.engine.buffers import BufferPool
 from lightning_fsdp.engine.collectives import RankRows
-from lightning_fsdp.engine.ledger import Stamp
-
-log = logging.getLogger(__name__)
+from lightning_fsdp.engine.transport.buffers import BufferPool
+from lightning_fsdp.engine.transport.ledger import Stamp
 
 CHUNK_SWITCH = "LIGHTNING_FSDP_CHUNK_MIB"
 DEFAULT_CHUNK_MIB = 8.0  # a few MiB: chunks large enough that a chunk's bookkeeping costs nothing beside its copies
@@ -178,64 +175,3 @@ class Transport(ABC):
         """Whether ``reduce_scatter(grads, dtype, divide_by=divisor)`` divides at no cost of its own, to the same
         bits as dividing the sum: then an fp32 average is divided there rather than in a pass over the result."""
         return False
-
-
-class SingleRank(Transport):
-    """No other rank: the collectives only pack (and cast)."""
-
-    def all_gather(
-        self, shards: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None
-    ) -> Pending[list[torch.Tensor]]:
-        send = self.pool.take(sum(shard.numel() for shard in shards), dtype, shards[0].device)
-        collectives.pack([shard.reshape(-1) for shard in shards], send)
-        return Pending.done([send], lambda: self.pool.give(send))
-
-    def reduce_scatter(
-        self, grads: list[RankRows], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
-    ) -> Pending[torch.Tensor]:
-        out = torch.empty(1, sum(grad.columns for grad in grads), dtype=dtype, device=grads[0].flat.device)
-        collectives.pack_rows(grads, out)
-        return Pending.done(_divided(out.view(-1), divide_by))
-
-    def all_reduce(
-        self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
-    ) -> Pending[torch.Tensor]:
-        out = torch.empty(sum(grad.numel() for grad in grads), dtype=dtype, device=grads[0].device)
-        collectives.pack(grads, out)
-        return Pending.done(_divided(out, divide_by))
-
-
-def _divided(packed: torch.Tensor, divide_by: int | None) -> torch.Tensor:
-    """The packed result of its own (never pooled: it becomes ``.grad``), divided if asked."""
-    return packed if divide_by is None else packed.div_(divide_by)
-
-
-def standalone_transport(group: ProcessGroup | None, device: torch.device) -> Transport:
-    """The transport ``group`` can always use, without asking the other ranks: NCCL for CUDA tensors, else gloo."""
-    from lightning_fsdp.engine import gloo, nccl  # the implementations import this module
-
-    if group is None or group.size() == 1:
-        return SingleRank(None)
-    if device.type == "cuda":
-        return nccl.NcclTransport(group, device)
-    return gloo.GlooTransport(group)
-
-
-def choose_transport(group: ProcessGroup | None, device: torch.device, send_bytes: dict[str, int]) -> Transport:
-    """The fastest transport every rank of ``group`` can use, chosen alike on every rank (a collective when shared
-    memory is tried), and logged once with the reason no faster one was available.
-
-    ``send_bytes``: the largest send buffer of each collective kind the units will issue over ``group`` (what the
-    shared-memory slots must hold).
-    """
-    from lightning_fsdp.engine import shm  # the implementations import this module
-
-    if group is None or group.size() == 1:
-        return SingleRank(None)
-    if device.type == "cuda":
-        chosen, reason = standalone_transport(group, device), "CUDA tensors: the fastest there is"
-    else:
-        shared, reason = shm.SharedMemoryTransport.create(group, send_bytes)
-        chosen = shared if shared is not None else standalone_transport(group, device)
-    log.info("lightning_fsdp: %s transport over %d ranks (%s)", chosen.name, chosen.world_size, reason)
-    return chosen

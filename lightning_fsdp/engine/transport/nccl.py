@@ -35,9 +35,9 @@ from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.collectives import RankRows
-from lightning_fsdp.engine.gloo import all_gather_flat, frame_bytes
-from lightning_fsdp.engine.ledger import DIGEST_BITS, Stamp
-from lightning_fsdp.engine.transport import Pending, Transport
+from lightning_fsdp.engine.transport.base import Pending, Transport
+from lightning_fsdp.engine.transport.gloo import all_gather_flat, frame_bytes
+from lightning_fsdp.engine.transport.ledger import DIGEST_BITS, Stamp
 
 # torch 2.13 renamed the flat-tensor reduce-scatter; older releases only have the old name.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

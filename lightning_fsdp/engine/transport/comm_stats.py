@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_fsdp.engine.transport import add_collective_hook
+from lightning_fsdp.engine.transport.base import add_collective_hook
 
 __all__ = ["CollectiveCounter", "CollectiveEvent", "classify"]
 

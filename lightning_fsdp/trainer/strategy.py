@@ -3,8 +3,8 @@
 The Trainer calls a strategy in a fixed order; this one fills the steps in as follows.
 
 - ``__init__``: every argument checked, with one sentence that says what to change: Lightning's own arguments and
-  the torch-FSDP keywords it forwards (read in ``lightning_arguments.py``). Class-path strings in the policies are
-  imported here, so a YAML typo fails at once.
+  the torch-FSDP keywords it forwards (read in ``adapter/lightning_arguments.py``). Class-path strings in the policies
+  are imported here, so a YAML typo fails at once.
 - ``setup_environment``: ranks from Lightning's cluster environment (its subprocess launcher, torchrun, SLURM, ...),
   the HYBRID_SHARD mesh checked against the world size, then ``init_process_group`` with the strategy's timeout, so
   every collective of the run -- the engine's included -- fails after that long instead of hanging.
@@ -24,17 +24,14 @@ from __future__ import annotations
 
 import errno
 import inspect
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
-from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
@@ -47,11 +44,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fsdp.adapter.sharding_setup import (
+    ShardedModelSetup,
+    check_optimizers_hold_shards,
+    flag,
+)
+from lightning_fsdp.adapter.strategy_arguments import publish_arguments
+from lightning_fsdp.adapter.strategy_names import register_names
 from lightning_fsdp.averaging.unsupported import refuse_unsharded_averaging
 from lightning_fsdp.checkpoint.async_save import BackgroundSaver
 from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_rank, remove, tensor_bytes
@@ -66,25 +69,16 @@ from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.remote import remote_kind, remote_refusal, remove_remote
 from lightning_fsdp.checkpoint.remote_last import resolve_remote_last
 from lightning_fsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded
-from lightning_fsdp.checkpoint_io import atomic_checkpoint_io
-from lightning_fsdp.compile_support import accept_compiled_modules
 from lightning_fsdp.engine import MixedPrecision, no_sync
 from lightning_fsdp.engine.deferred_init import track_meta_build
 from lightning_fsdp.engine.registry import unit_of
 from lightning_fsdp.engine.state_dict import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict
-from lightning_fsdp.lightning_arguments import refuse_unknown_keywords
-from lightning_fsdp.precision import FSDPPrecision, as_fsdp_precision
-from lightning_fsdp.preemption import DeferredSignals
-from lightning_fsdp.registration import register_names
-from lightning_fsdp.sharding_setup import (
-    Policy,
-    ShardedModelSetup,
-    ShardingName,
-    check_optimizers_hold_shards,
-    flag,
-)
-from lightning_fsdp.summary import use_full_size_summaries
-from lightning_fsdp.sync_batchnorm import for_device
+from lightning_fsdp.trainer.checkpoint_io import atomic_checkpoint_io
+from lightning_fsdp.trainer.compile_support import accept_compiled_modules
+from lightning_fsdp.trainer.precision import FSDPPrecision, as_fsdp_precision
+from lightning_fsdp.trainer.preemption import DeferredSignals
+from lightning_fsdp.trainer.summary import use_full_size_summaries
+from lightning_fsdp.trainer.sync_batchnorm import for_device
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -101,7 +95,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for every Lightning
             strategy; the Trainer fills them in. ``precision_plugin`` is normally derived from
-            ``Trainer(precision=...)`` (see :mod:`lightning_fsdp.precision`).
+            ``Trainer(precision=...)`` (see :mod:`lightning_fsdp.trainer.precision`).
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default NCCL on CUDA, gloo otherwise.
         timeout: how long any collective may wait before the run fails (a dead rank must not hang the others).
         cpu_offload: keep the sharded parameters, gradients and optimizer state in CPU memory: True, False, None
@@ -157,11 +151,16 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             writes a copy of the gathered checkpoint through the ``checkpoint_io`` plugin the same way (one in flight,
             the failure raised on every rank). ``Trainer(plugins=[AsyncCheckpointIO()])`` does the same for both
             forms (the plugin it wraps writes the full file).
-        **kwargs: anything else is refused with a sentence: the torch-FSDP keywords Lightning forwards are all
-            named arguments above. As in Lightning, ``strategy.kwargs`` holds those given (read-only).
+        **arguments: the arguments from ``process_group_backend`` to ``async_save`` above except the three that only
+            the Trainer has (``empty_init``, ``sync_grads_each_micro_batch``, ``save_trainable_only``): one definition
+            for both strategies (``adapter/strategy_arguments.py``), published in this signature for LightningCLI.
+            Any other keyword is refused with a sentence; the torch-FSDP keywords Lightning forwards are all among
+            them. As in Lightning, ``strategy.kwargs`` holds those given (read-only).
     """
 
     strategy_name = "myfsdp"
+
+    argument_defaults: ClassVar[Mapping[str, Any]] = {"state_dict_type": "full"}  # one file, as Lightning's
 
     def __init__(
         self,
@@ -170,35 +169,12 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        cpu_offload: bool | Any | None = None,
-        mixed_precision: MixedPrecision | Any | None = None,
-        auto_wrap_policy: Policy = None,
-        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
-        activation_checkpointing_policy: Policy = None,
-        sharding_strategy: ShardingName | Enum = "FULL_SHARD",
-        state_dict_type: Literal["full", "sharded"] = "full",
-        device_mesh: tuple[int, int] | DeviceMesh | None = None,
-        backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] | Enum | None = "BACKWARD_PRE",
-        forward_prefetch: bool = False,
-        limit_all_gathers: bool = True,
-        sync_module_states: bool = False,
-        param_init_fn: Callable[[nn.Module], None] | None = None,
-        process_group: dist.ProcessGroup | None = None,
-        ignored_modules: Iterable[nn.Module] | None = None,
-        ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
-        use_orig_params: bool = True,
-        device_id: int | torch.device | None = None,
+        *,
         empty_init: bool = False,
         sync_grads_each_micro_batch: bool = True,
-        trust_checkpoint: bool = False,
         save_trainable_only: bool = False,
-        storage_options: dict[str, Any] | None = None,
-        async_save: bool = False,
-        **kwargs: Any,
+        **arguments: Any,
     ) -> None:
-        refuse_unknown_keywords(kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -206,43 +182,15 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._set_sharding_arguments(
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            cpu_offload=cpu_offload,
-            mixed_precision=mixed_precision,
-            auto_wrap_policy=auto_wrap_policy,
-            activation_checkpointing=activation_checkpointing,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-            sharding_strategy=sharding_strategy,
-            state_dict_type=state_dict_type,
-            device_mesh=device_mesh,
-            backward_prefetch=backward_prefetch,
-            forward_prefetch=forward_prefetch,
-            limit_all_gathers=limit_all_gathers,
-            sync_module_states=sync_module_states,
-            param_init_fn=param_init_fn,
-            process_group=process_group,
-            ignored_modules=ignored_modules,
-            ignored_states=ignored_states,
-            use_orig_params=use_orig_params,
-            device_id=device_id,
-            trust_checkpoint=trust_checkpoint,
-        )
+        self._set_sharding_arguments(arguments)
         self.empty_init = flag("empty_init", empty_init)
         self.sync_grads_each_micro_batch = flag("sync_grads_each_micro_batch", sync_grads_each_micro_batch)
         self.save_trainable_only = flag("save_trainable_only", save_trainable_only)
-        self.async_save = flag("async_save", async_save)
         self._background: BackgroundSaver | None = None  # made at the first background save
         self._saves_complete_on_return = False
         self._ending_with_exception = False
         self._atomic_io: tuple[CheckpointIO, CheckpointIO] | None = None  # (the plugin, it made atomic)
         self._deferred_signals: DeferredSignals | None = None
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(
-                f"storage_options must be a dict of the store's fsspec options, not a {type(storage_options).__name__}."
-            )
-        self.storage_options = storage_options
 
     # ----- where and how many ---------------------------------------------------------------------------------------
 
@@ -719,6 +667,7 @@ def _weights_only_given_to_the_trainer() -> bool | None:
     return None
 
 
+publish_arguments(FSDPStrategy)  # the shared arguments in the signature, for LightningCLI
 accept_compiled_modules(FSDPStrategy)
 resolve_remote_last(FSDPStrategy)
 FSDPStrategy.register_strategies(StrategyRegistry)  # the registry's entries for our names: this class

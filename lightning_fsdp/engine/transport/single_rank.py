@@ -1,0 +1,40 @@
+"""The transport of a group of one rank: the collectives only pack (and cast), so a unit runs its usual code."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_fsdp.engine import collectives
+from lightning_fsdp.engine.collectives import RankRows
+from lightning_fsdp.engine.transport.base import Pending, Transport
+from lightning_fsdp.engine.transport.ledger import Stamp
+
+
+class SingleRank(Transport):
+    """No other rank: the collectives only pack (and cast)."""
+
+    def all_gather(
+        self, shards: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None
+    ) -> Pending[list[torch.Tensor]]:
+        send = self.pool.take(sum(shard.numel() for shard in shards), dtype, shards[0].device)
+        collectives.pack([shard.reshape(-1) for shard in shards], send)
+        return Pending.done([send], lambda: self.pool.give(send))
+
+    def reduce_scatter(
+        self, grads: list[RankRows], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
+    ) -> Pending[torch.Tensor]:
+        out = torch.empty(1, sum(grad.columns for grad in grads), dtype=dtype, device=grads[0].flat.device)
+        collectives.pack_rows(grads, out)
+        return Pending.done(_divided(out.view(-1), divide_by))
+
+    def all_reduce(
+        self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
+    ) -> Pending[torch.Tensor]:
+        out = torch.empty(sum(grad.numel() for grad in grads), dtype=dtype, device=grads[0].device)
+        collectives.pack(grads, out)
+        return Pending.done(_divided(out, divide_by))
+
+
+def _divided(packed: torch.Tensor, divide_by: int | None) -> torch.Tensor:
+    """The packed result of its own (never pooled: it becomes ``.grad``), divided if asked."""
+    return packed if divide_by is None else packed.div_(divide_by)

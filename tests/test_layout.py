@@ -1,0 +1,166 @@
+"""The package's layout holds: no import circle between its files, the engine free of Lightning, the paths of the
+flat layout still importable, and the strategy arguments defined once yet visible to LightningCLI in both strategies.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from jsonargparse import ArgumentParser
+
+from lightning_fsdp import FabricFSDPStrategy, FSDPStrategy
+from lightning_fsdp.adapter.strategy_arguments import ARGUMENTS
+from lightning_fsdp.old_paths import MOVED
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_fsdp"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules that ``path`` imports anywhere in its text (lazy imports inside functions too)."""
+    found = set()
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
+            # ``from package import submodule`` names the submodule; ``from module import name``, the module.
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        found.update(name for name in names if name in modules)
+    return found
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each a circle of imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in graph[node]:
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_no_file_of_the_package_imports_itself_round_a_circle() -> None:
+    files = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {name: _imports(path, set(files)) - {name} for name, path in files.items()}
+    assert _circles(graph) == []
+
+
+def test_the_engine_imports_torch_but_never_lightning() -> None:
+    for path in (PACKAGE / "engine").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            outside = [
+                name
+                for name in names
+                if name.split(".")[0] == "lightning"
+                or (name.startswith("lightning_fsdp.") and not name.startswith("lightning_fsdp.engine"))
+            ]
+            assert not outside, f"{path.relative_to(PACKAGE)} imports {outside}"
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_path_gives_the_module_at_its_new_path(old: str) -> None:
+    module = __import__(old, fromlist=["_"])
+    assert module is sys.modules[MOVED[old]]
+    assert module.__name__ == MOVED[old]
+
+
+def test_old_paths_load_pickles_and_class_paths_and_keep_lightning_unloaded() -> None:
+    """In a fresh interpreter: an old path imports without Lightning where the module needs none, a pickle naming a
+    class by its old module loads as the class itself, and a config's old class path resolves."""
+    program = (
+        "import pickle, sys\n"
+        "import lightning_fsdp.engine.shm as shm\n"
+        "assert 'lightning' not in sys.modules, 'the engine pulled Lightning in'\n"
+        "from lightning_fsdp.engine.transport.shm import SharedMemoryTransport\n"
+        "assert shm.SharedMemoryTransport is SharedMemoryTransport\n"
+        "payload = pickle.dumps(SharedMemoryTransport, protocol=0).replace(b'engine.transport.shm', b'engine.shm')\n"
+        "assert b'lightning_fsdp.engine.shm' in payload\n"
+        "assert pickle.loads(payload) is SharedMemoryTransport\n"
+        "from jsonargparse._util import import_object\n"
+        "from lightning_fsdp.trainer.strategy import FSDPStrategy\n"
+        "assert import_object('lightning_fsdp.strategy.FSDPStrategy') is FSDPStrategy\n"
+    )
+    subprocess.run([sys.executable, "-c", program], check=True, cwd=PACKAGE.parent, timeout=120)
+
+
+@pytest.mark.parametrize(("strategy", "state_dict_type"), [(FSDPStrategy, "full"), (FabricFSDPStrategy, "sharded")])
+def test_each_strategy_publishes_every_shared_argument(strategy: type, state_dict_type: str) -> None:
+    parameters = inspect.signature(strategy).parameters
+    for name, shared in ARGUMENTS.items():
+        assert parameters[name].annotation == shared.annotation, name
+        expected = state_dict_type if name == "state_dict_type" else shared.default
+        assert parameters[name].default == expected, name
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    assert strategy().state_dict_type == state_dict_type
+
+
+@pytest.mark.parametrize("strategy", [FSDPStrategy, FabricFSDPStrategy])
+def test_a_config_parser_sees_every_shared_argument_with_its_type_and_default(strategy: type) -> None:
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(strategy, "strategy")
+    defaults = parser.get_defaults().strategy
+    for name, shared in ARGUMENTS.items():
+        assert name in defaults, name
+        if name != "state_dict_type":
+            assert defaults[name] == shared.default, name
+    parsed = parser.parse_args(
+        ["--strategy.sharding_strategy", "SHARD_GRAD_OP", "--strategy.limit_all_gathers", "false"]
+    )
+    assert parsed.strategy.sharding_strategy == "SHARD_GRAD_OP" and parsed.strategy.limit_all_gathers is False
+    with pytest.raises(Exception, match="sharding_strategy"):
+        parser.parse_args(["--strategy.sharding_strategy", "HALF_SHARD"])
+
+
+def test_a_keyword_outside_the_definition_is_still_refused_with_a_sentence() -> None:
+    for strategy in (FSDPStrategy, FabricFSDPStrategy):
+        with pytest.raises(ValueError, match="policy=1, which has no meaning for lightning_fsdp"):
+            strategy(policy=1)

@@ -237,12 +237,18 @@ def test_python_snippets_run(page: Path, tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     namespace: dict[str, object] = {"__name__": "__docs__"}
-    for snippet in snippets(page):
-        if snippet.language != "python" or snippet.excerpt_of:
-            continue
-        code = compile(snippet.text, snippet.where, "exec")
-        with contextlib.redirect_stdout(io.StringIO()):
-            exec(code, namespace)  # noqa: S102 -- the documentation's own snippets
+    try:
+        for snippet in snippets(page):
+            if snippet.language != "python" or snippet.excerpt_of:
+                continue
+            code = compile(snippet.text, snippet.where, "exec")
+            with contextlib.redirect_stdout(io.StringIO()):
+                exec(code, namespace)  # noqa: S102 -- the documentation's own snippets
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # a snippet that failed before its destroy_process_group: spare the next tests
+            dist.destroy_process_group()
 
 
 def _templates() -> set[str]:

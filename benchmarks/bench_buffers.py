@@ -5,8 +5,8 @@
 Each rank trains the ResNet of ``tests/conv_nets.py`` sharded per block, FULL_SHARD, SGD, and alternates blocks of
 steps without and with ``broadcast_buffers(model)`` (rank 0's running statistics to every rank, one broadcast per
 dtype, as DDP packs them) before each forward, so that both see the same machine load. Printed per model: the
-buffers' size, the median step time of each, and the median time of the broadcast alone. The README's section on
-checkpoints and buffers cites the numbers; the engine broadcasts at checkpoints only (see [Note: buffers are rank
+buffers' size, the median step time of each, and the median time of the broadcast alone. benchmarks/README.md has
+the numbers, docs/checkpoints.md the rule: the engine broadcasts at checkpoints only (see [Note: buffers are rank
 0's at every checkpoint] in lightning_fsdp/engine/module_buffers.py).
 """
 

@@ -6,7 +6,7 @@ which by then are each rank's shards. Run on 2 gloo ranks, all three fail at the
 step, or at the SWA epoch) with torch's "The size of tensor a (61) must match the size of tensor b (31)"; and each
 rank would hold the full model again, which is what sharding is for avoiding. ``ShardedEMA`` is the sharded EMA;
 a ``torch.optim.swa_utils.AveragedModel`` built in the LightningModule's ``__init__`` or ``configure_model`` is
-sharded with the model and averages shard against shard, which gives ddp's result (the README says how).
+sharded with the model and averages shard against shard, which gives ddp's result (docs/weight-averaging.md says how).
 
 On one rank nothing is sharded (each parameter's shard is the whole parameter), so the callbacks are allowed there and
 train and average as under Lightning's default strategy.

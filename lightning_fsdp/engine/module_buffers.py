@@ -10,7 +10,7 @@ rank continues from them, and a resume gives every rank the saved set. The root'
 training does the same, so validation on every rank uses the statistics a checkpoint would hold, as under DDP.
 Between those points the ranks' statistics drift, as under torch's and Lightning's FSDP: a broadcast before every
 forward, as DDP does, costs two collectives (one per dtype) per step -- measured with benchmarks/bench_buffers.py,
-see the README's "Checkpoints" section -- for values no training step reads (BatchNorm normalises with the batch's
+see docs/checkpoints.md -- for values no training step reads (BatchNorm normalises with the batch's
 own statistics in training). ``SyncBatchNorm`` keeps the statistics equal across ranks at every step anyway.
 """
 

@@ -49,14 +49,48 @@ STATE_DICT_TYPES = ("full", "sharded")
 class ShardedModelSetup(ABC):
     """The sharding arguments as attributes, and ``_setup_model``: ``fully_shard`` with them, in place.
 
-    A mixin for a Lightning ``ParallelStrategy`` (it reads ``root_device``, ``num_nodes``, ``num_processes`` and
-    ``world_size``); the strategy says where its precision plugin's engine policy comes from.
+    A mixin for a Lightning ``ParallelStrategy``, before it in the bases: it gives both strategies the same
+    ``root_device``, ``num_nodes``, ``num_processes``, ``distributed_sampler_kwargs`` and ``process_group_backend``
+    (from the base's ``parallel_devices``, ranks and ``world_size``); the strategy says where its precision plugin's
+    engine policy comes from.
     """
 
     argument_defaults: ClassVar[Mapping[str, Any]] = {}  # the strategy's own defaults of shared arguments
     sharding_strategy: str
     mixed_precision: Any
     _hybrid_mesh: tuple[int, int] | DeviceMesh | None
+
+    # What the Lightning base class (``ParallelStrategy``) provides.
+    parallel_devices: list[torch.device] | None
+    local_rank: int
+    global_rank: int
+
+    # ----- where and how many: the same for the Trainer and Fabric ---------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
 
     def _set_sharding_arguments(self, given: dict[str, Any]) -> None:
         """Check every shared argument (one sentence saying what to change) and keep it in the form the engine takes.

@@ -131,35 +131,6 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         # A parameter fully_shard replaced -> (its module, its name), to give an optimizer built before the shards.
         self._replaced = WeakIdKeyDictionary()
 
-    # ----- where and how many ---------------------------------------------------------------------------------------
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
     # ----- precision and checkpoint plugins -------------------------------------------------------------------------
 
     @property

@@ -195,37 +195,10 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
     # ----- where and how many ---------------------------------------------------------------------------------------
 
     @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
     def is_distributed(self) -> bool:
         """True: Lightning asks strategies it does not know for this, and then gives each rank its own slice of the
         data (a ``DistributedSampler``) and lets ``self.log(..., sync_dist=True)`` reduce across ranks."""
         return True
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
 
     # ----- precision ------------------------------------------------------------------------------------------------
 

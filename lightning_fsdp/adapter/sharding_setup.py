@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
@@ -31,7 +35,7 @@ from lightning_fsdp.adapter.lightning_arguments import (
 )
 from lightning_fsdp.adapter.strategy_arguments import ARGUMENTS, Policy, WrapPolicy, strategy_arguments
 from lightning_fsdp.engine import MixedPrecision, apply_activation_checkpointing, fully_shard
-from lightning_fsdp.engine.deferred_init import has_meta_tensors
+from lightning_fsdp.engine.deferred_init import has_meta_tensors, track_meta_build
 from lightning_fsdp.engine.options import (
     ShardingStrategy,
     parse_backward_prefetch,
@@ -62,7 +66,9 @@ class ShardedModelSetup(ABC):
 
     # What the Lightning base class (``ParallelStrategy``) provides.
     parallel_devices: list[torch.device] | None
+    cluster_environment: ClusterEnvironment | None
     local_rank: int
+    node_rank: int
     global_rank: int
 
     # ----- where and how many: the same for the Trainer and Fabric ---------------------------------------------------
@@ -91,6 +97,49 @@ class ShardedModelSetup(ABC):
     @property
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
+
+    # ----- the process group and the collectives Lightning asks for: the same for the Trainer and Fabric -----------
+
+    def _set_world_ranks(self) -> None:
+        """Tell the cluster environment this process's global rank and the world size."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        # Read back through the getter: some environments' setters are no-ops.
+        rank_zero_only.rank = self.global_rank
+
+    def _init_process_group(self) -> None:
+        """Every rank's seed, then the process group with the strategy's ``timeout``, so every collective of the
+        run -- the engine's included -- fails after that long instead of hanging on a dead rank."""
+        reset_seed()
+        if self._process_group_backend is None:
+            self._process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+    @contextmanager
+    def _meta_build(self) -> Generator[None, None, None]:
+        """Modules built inside are created on the meta device, their init recorded for the replay at setup."""
+        with torch.device("meta"), track_meta_build():
+            yield
 
     def _set_sharding_arguments(self, given: dict[str, Any]) -> None:
         """Check every shared argument (one sentence saying what to change) and keep it in the form the engine takes.

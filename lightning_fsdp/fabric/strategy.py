@@ -22,24 +22,20 @@ Fabric calls a strategy from the user's own loop; this one answers as follows.
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable, Generator, Mapping
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 from weakref import WeakSet
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
-from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
-from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
@@ -53,7 +49,6 @@ from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_r
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.remote import remote_refusal
 from lightning_fsdp.engine import MixedPrecision, clip_grad_norm_, clip_grad_value_, no_sync
-from lightning_fsdp.engine.deferred_init import track_meta_build
 from lightning_fsdp.engine.registry import unit_of
 from lightning_fsdp.fabric.checkpoint import (
     FabricState,
@@ -185,22 +180,8 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         super().setup_environment()
         self._set_world_ranks()
         self._hybrid_mesh = self._mesh_for_world()
-        reset_seed()
-        if self._process_group_backend is None:
-            self._process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
-        assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._init_process_group()
         self.precision.device = self.root_device.type
-
-    def _set_world_ranks(self) -> None:
-        """Tell the cluster environment this process's global rank and the world size (Fabric's connector calls it)."""
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     # ----- models and optimizers ------------------------------------------------------------------------------------
 
@@ -220,11 +201,6 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         """Deliberately nothing: the engine shards a built model in ``setup_module`` (a meta-device build is
         ``init_module(empty_init=True)``'s)."""
         return nullcontext()
-
-    @contextmanager
-    def _meta_build(self) -> Generator[None, None, None]:
-        with torch.device("meta"), track_meta_build():
-            yield
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
@@ -297,23 +273,6 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src)
-        return holder[0]
 
     # ----- checkpoints ----------------------------------------------------------------------------------------------
 

@@ -30,10 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
@@ -41,9 +39,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -70,7 +67,6 @@ from lightning_fsdp.checkpoint.remote import remote_kind, remote_refusal, remove
 from lightning_fsdp.checkpoint.remote_last import resolve_remote_last
 from lightning_fsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_fsdp.engine import MixedPrecision, no_sync
-from lightning_fsdp.engine.deferred_init import track_meta_build
 from lightning_fsdp.engine.registry import unit_of
 from lightning_fsdp.engine.state_dict import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict
 from lightning_fsdp.trainer.checkpoint_io import atomic_checkpoint_io
@@ -240,22 +236,11 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         self.set_world_ranks()
         self._hybrid_mesh = self._mesh_for_world()
         super().setup_environment()
-        reset_seed()
-        if self._process_group_backend is None:
-            self._process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
-        assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._init_process_group()
 
     def set_world_ranks(self) -> None:
-        """Tell the cluster environment this process's global rank and the world size (called by the Trainer too)."""
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        # Read back through the getter: some environments' setters are no-ops.
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        """The Trainer's name for it: Lightning's accelerator connector calls it when it sets the strategy up."""
+        self._set_world_ranks()
 
     # ----- sharding the model ---------------------------------------------------------------------------------------
 
@@ -308,11 +293,6 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         with self._meta_build() if self.empty_init else nullcontext():
             yield
 
-    @contextmanager
-    def _meta_build(self) -> Generator[None, None, None]:
-        with torch.device("meta"), track_meta_build():
-            yield
-
     # ----- the steps ------------------------------------------------------------------------------------------------
 
     @override
@@ -361,23 +341,6 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             yield
 
     # ----- collectives for the Trainer ------------------------------------------------------------------------------
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src)
-        return holder[0]
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:

@@ -148,67 +148,75 @@ class ShardedModelSetup(ABC):
         ``argument_defaults`` or the definition's (``strategy_arguments.py``). A keyword outside that list is refused.
         """
         refuse_unknown_keywords({name: value for name, value in given.items() if name not in ARGUMENTS})
-        a = SimpleNamespace(**strategy_arguments(**{**self.argument_defaults, **given}))
+        arguments = SimpleNamespace(**strategy_arguments(**{**self.argument_defaults, **given}))
         self._num_nodes = 1
-        if a.process_group_backend is not None and not isinstance(a.process_group_backend, str):
-            raise ValueError(f"process_group_backend must be a string such as 'gloo', got {a.process_group_backend!r}.")
-        self._process_group_backend = a.process_group_backend
-        if a.timeout is not None and not isinstance(a.timeout, timedelta):
-            raise ValueError(f"timeout must be a datetime.timedelta (or None for torch's default), got {a.timeout!r}.")
-        self._timeout = a.timeout
-        self.sharding_strategy: str = parse_sharding_strategy(a.sharding_strategy).value
-        prefetch = parse_backward_prefetch(a.backward_prefetch)
+        if arguments.process_group_backend is not None and not isinstance(arguments.process_group_backend, str):
+            raise ValueError(
+                f"process_group_backend must be a string such as 'gloo', got {arguments.process_group_backend!r}."
+            )
+        self._process_group_backend = arguments.process_group_backend
+        if arguments.timeout is not None and not isinstance(arguments.timeout, timedelta):
+            raise ValueError(
+                f"timeout must be a datetime.timedelta (or None for torch's default), got {arguments.timeout!r}."
+            )
+        self._timeout = arguments.timeout
+        self.sharding_strategy: str = parse_sharding_strategy(arguments.sharding_strategy).value
+        prefetch = parse_backward_prefetch(arguments.backward_prefetch)
         self.backward_prefetch = None if prefetch is None else prefetch.value
-        if a.state_dict_type not in STATE_DICT_TYPES:
-            raise ValueError(f"state_dict_type={a.state_dict_type!r} is not supported; use 'full' or 'sharded'.")
-        self.state_dict_type = a.state_dict_type
-        if a.process_group is not None and a.device_mesh is not None:
+        if arguments.state_dict_type not in STATE_DICT_TYPES:
+            raise ValueError(
+                f"state_dict_type={arguments.state_dict_type!r} is not supported; use 'full' or 'sharded'."
+            )
+        self.state_dict_type = arguments.state_dict_type
+        if arguments.process_group is not None and arguments.device_mesh is not None:
             raise ValueError(
                 "process_group= and device_mesh= are mutually exclusive; pass the mesh alone for HYBRID_SHARD, or the "
                 "process group alone to shard over its ranks."
             )
-        self.process_group = check_process_group(a.process_group)
-        self.device_mesh = check_device_mesh(a.device_mesh, self.sharding_strategy)
-        self.auto_wrap_policy = resolve_policy(a.auto_wrap_policy, "auto_wrap_policy")
+        self.process_group = check_process_group(arguments.process_group)
+        self.device_mesh = check_device_mesh(arguments.device_mesh, self.sharding_strategy)
+        self.auto_wrap_policy = resolve_policy(arguments.auto_wrap_policy, "auto_wrap_policy")
         self.activation_checkpointing_policy = resolve_policy(
-            activation_checkpointing_alias(a.activation_checkpointing, a.activation_checkpointing_policy),
+            activation_checkpointing_alias(
+                arguments.activation_checkpointing, arguments.activation_checkpointing_policy
+            ),
             "activation_checkpointing_policy",
         )
-        self.mixed_precision = check_mixed_precision(a.mixed_precision)
-        if a.param_init_fn is not None and not callable(a.param_init_fn):
-            raise ValueError(f"param_init_fn must be a callable taking a module, got {a.param_init_fn!r}.")
-        self.param_init_fn = a.param_init_fn
-        self.cpu_offload = parse_cpu_offload(a.cpu_offload)
-        self.forward_prefetch = flag("forward_prefetch", a.forward_prefetch)
-        self.limit_all_gathers = flag("limit_all_gathers", a.limit_all_gathers)
-        self.sync_module_states = flag("sync_module_states", a.sync_module_states)
-        self.use_orig_params = flag("use_orig_params", a.use_orig_params)
-        self.ignored_modules, self.ignored_params = split_ignored(a.ignored_modules, a.ignored_states)
-        if a.device_id is not None and not isinstance(a.device_id, int | torch.device):
-            raise ValueError(f"device_id must be a device index or a torch.device, got {a.device_id!r}.")
-        self.device_id = a.device_id
+        self.mixed_precision = check_mixed_precision(arguments.mixed_precision)
+        if arguments.param_init_fn is not None and not callable(arguments.param_init_fn):
+            raise ValueError(f"param_init_fn must be a callable taking a module, got {arguments.param_init_fn!r}.")
+        self.param_init_fn = arguments.param_init_fn
+        self.cpu_offload = parse_cpu_offload(arguments.cpu_offload)
+        self.forward_prefetch = flag("forward_prefetch", arguments.forward_prefetch)
+        self.limit_all_gathers = flag("limit_all_gathers", arguments.limit_all_gathers)
+        self.sync_module_states = flag("sync_module_states", arguments.sync_module_states)
+        self.use_orig_params = flag("use_orig_params", arguments.use_orig_params)
+        self.ignored_modules, self.ignored_params = split_ignored(arguments.ignored_modules, arguments.ignored_states)
+        if arguments.device_id is not None and not isinstance(arguments.device_id, int | torch.device):
+            raise ValueError(f"device_id must be a device index or a torch.device, got {arguments.device_id!r}.")
+        self.device_id = arguments.device_id
         self._hybrid_mesh = None  # fixed in setup_environment
-        self.trust_checkpoint = flag("trust_checkpoint", a.trust_checkpoint)
-        if a.storage_options is not None and not isinstance(a.storage_options, dict):
+        self.trust_checkpoint = flag("trust_checkpoint", arguments.trust_checkpoint)
+        if arguments.storage_options is not None and not isinstance(arguments.storage_options, dict):
             raise TypeError(
                 "storage_options must be a dict of the store's fsspec options, not a "
-                f"{type(a.storage_options).__name__}."
+                f"{type(arguments.storage_options).__name__}."
             )
-        self.storage_options = a.storage_options
-        self.async_save = flag("async_save", a.async_save)
+        self.storage_options = arguments.storage_options
+        self.async_save = flag("async_save", arguments.async_save)
         self.kwargs = torch_fsdp_keywords(
             {
-                "auto_wrap_policy": a.auto_wrap_policy,
-                "device_mesh": a.device_mesh,
-                "process_group": a.process_group,
-                "backward_prefetch": a.backward_prefetch,
-                "forward_prefetch": a.forward_prefetch,
-                "limit_all_gathers": a.limit_all_gathers,
-                "sync_module_states": a.sync_module_states,
-                "param_init_fn": a.param_init_fn,
-                "device_id": a.device_id,
-                "ignored_modules": a.ignored_modules,
-                "ignored_states": a.ignored_states,
+                "auto_wrap_policy": arguments.auto_wrap_policy,
+                "device_mesh": arguments.device_mesh,
+                "process_group": arguments.process_group,
+                "backward_prefetch": arguments.backward_prefetch,
+                "forward_prefetch": arguments.forward_prefetch,
+                "limit_all_gathers": arguments.limit_all_gathers,
+                "sync_module_states": arguments.sync_module_states,
+                "param_init_fn": arguments.param_init_fn,
+                "device_id": arguments.device_id,
+                "ignored_modules": arguments.ignored_modules,
+                "ignored_states": arguments.ignored_states,
             },
             self.use_orig_params,
         )

@@ -16,6 +16,7 @@ from lightning_fsdp.engine import hooks
 from lightning_fsdp.engine.deferred_init import ParamInitFn, check_initializable, has_meta_tensors, materialize
 from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, check_same_structure, values_differ
 from lightning_fsdp.engine.groups import Groups, resolve_groups
+from lightning_fsdp.engine.host_memory import keep_freed_memory
 from lightning_fsdp.engine.load_hooks import install_load_hooks
 from lightning_fsdp.engine.module_buffers import broadcast_from_first
 from lightning_fsdp.engine.optimizer_guard import record_replaced
@@ -117,6 +118,7 @@ def fully_shard(
         _check_uniform(unit_module, assignment.get(unit_module, []), devices=not deferred)
     if groups.sync.size() > 1:  # before the first change, and before any per-unit collective
         check_same_structure(*_structure_prints(module, unit_modules, assignment), groups.sync)
+    model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     builder = _UnitBuilder(assignment, groups, options, sync_module_states)
     for unit_module in unit_modules:
         builder.expect(unit_module)
@@ -143,6 +145,8 @@ def fully_shard(
     hooks.guard_ungathered_calls(unit_of(module))
     _mark_fsdp_managed(module)
     install_load_hooks(module)  # module.load_state_dict takes full state dicts: see load_hooks.py
+    if groups.sync.size() > 1 and unit_of(module).compute_device().type == "cpu":
+        keep_freed_memory(model_bytes)  # see [Note: freed memory stays with the process]
     return module
 
 

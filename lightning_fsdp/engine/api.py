@@ -53,7 +53,9 @@ def fully_shard(
     Every module the ``policy`` selects becomes a unit (bottom-up); ``module`` itself becomes the root unit and owns
     every parameter no other unit took. Each parameter is replaced by this rank's dim-0 shard under the same name,
     so build the optimizer afterwards: it then holds (and steps) only the shards. A unit is gathered whole for its
-    forward and backward with one all-gather and reduces its gradients with one reduce-scatter.
+    forward and backward with one all-gather and reduces its gradients with one reduce-scatter. On CPU ranks it
+    also keeps the host memory a step frees for the next one (``host_memory.py``; ``LIGHTNING_FSDP_KEEP_FREED_MEMORY=0``
+    leaves malloc alone).
 
     Args:
         module: the model, on the device it will train on, or on the meta device (deferred init).

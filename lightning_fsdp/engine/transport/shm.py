@@ -26,7 +26,7 @@ it, ~10 ms a step of the benchmark model. A collective larger than a slot stream
 [Note: chunks]); only when every slot of its set is taken does it run over gloo instead (every rank sees the same busy
 slots, so all of them do): a training step keeps at most two gathers and two reductions in flight.
 
-[Note: chunks] A slot holds at most ``LIGHTNING_FSDP_CHUNK_MIB`` MiB (``DEFAULT_CHUNK_MIB``; less where no unit
+[Note: chunks] A slot holds at most ``LIGHTNING_FSDP_CHUNK_MIB`` MiB (``SHARED_MEMORY_CHUNK_MIB``; less where no unit
 sends as much), so the segment's size is fixed whatever the model: a language model's root (its embedding and head,
 the largest tensors of the model) no longer sizes it, nor leaves shared memory for gloo. A larger collective is cut
 into chunks of a slot each (all-gather and all-reduce: elements of the packed buffer; reduce-scatter: columns of the
@@ -68,7 +68,14 @@ from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.collectives import RankRows
-from lightning_fsdp.engine.transport.base import PIPELINE, Pending, Transport, announce, chunk_limit
+from lightning_fsdp.engine.transport.base import (
+    PIPELINE,
+    SHARED_MEMORY_CHUNK_MIB,
+    Pending,
+    Transport,
+    announce,
+    chunk_limit,
+)
 from lightning_fsdp.engine.transport.gloo import GlooTransport
 from lightning_fsdp.engine.transport.ledger import STAMP_NUMEL, CollectiveMismatchError, Stamp
 from lightning_fsdp.engine.transport.peer_wait import ORDERED_STORES, int64_words, wait_until
@@ -79,10 +86,11 @@ SLOTS = {"all_gather": 3, "reduce": 2}  # slots per set: a gather in use, two pr
 
 
 def slot_bytes(send_bytes: dict[str, int], world_size: int) -> dict[str, int]:
-    """The data each set's slots hold: the largest send buffer of each collective kind, at most ``chunk_limit()``
-    (see [Note: chunks]), and at least one column of a reduce-scatter in the widest dtype."""
+    """The data each set's slots hold: the largest send buffer of each collective kind, at most
+    ``chunk_limit(SHARED_MEMORY_CHUNK_MIB)`` (see [Note: chunks]), and at least one column of a reduce-scatter in the
+    widest dtype."""
     reduce = max(send_bytes.get("reduce_scatter", 0), send_bytes.get("all_reduce", 0))
-    limit = max(chunk_limit(), world_size * 8)
+    limit = max(chunk_limit(SHARED_MEMORY_CHUNK_MIB), world_size * 8)
     return {"all_gather": _aligned(min(send_bytes.get("all_gather", 0), limit)), "reduce": _aligned(min(reduce, limit))}
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_fsdp.adapter.registration import register_when_lightning_loads
 from lightning_fsdp.engine import (
     BackwardPrefetch,
+    CrossHostPrecision,
     MixedPrecision,
     ShardingStrategy,
     apply_activation_checkpointing,
@@ -66,6 +67,7 @@ register_when_lightning_loads()
 
 __all__ = [
     "BackwardPrefetch",
+    "CrossHostPrecision",
     "FabricFSDPPrecision",
     "FabricFSDPStrategy",
     "FSDPPrecision",

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 
 import lightning_fsdp
-from lightning_fsdp import FabricFSDPStrategy, FSDPPrecision, FSDPStrategy, MixedPrecision
+from lightning_fsdp import CrossHostPrecision, FabricFSDPStrategy, FSDPPrecision, FSDPStrategy, MixedPrecision
 from lightning_fsdp.adapter.lightning_arguments import TORCH_FSDP_DEFAULTS
 from lightning_fsdp.demos.gpt import Block
 
@@ -137,6 +137,13 @@ def test_an_unsupported_precision(precision: str) -> None:
         ({"activation_checkpointing_policy": torch.nn.Linear(2, 2)}, ["a Linear instance", "pass its class"]),
         ({"mixed_precision": torch.bfloat16}, ["lightning_fsdp.MixedPrecision", "bf16-mixed"]),
         ({"param_init_fn": "reset"}, ["param_init_fn must be a callable"]),
+        ({"reshard_after_forward": 0}, ["reshard_after_forward must be True, False, None or a positive number"]),
+        (
+            {"sharding_strategy": "SHARD_GRAD_OP", "reshard_after_forward": 2},
+            ["reshard_after_forward=2 needs sharding_strategy FULL_SHARD or HYBRID_SHARD"],
+        ),
+        ({"cross_host_precision": "fp8"}, ["cross_host_precision='fp8' is not supported", "'int8'"]),
+        ({"cross_host_precision": {"gather": "fp8"}}, ["CrossHostPrecision.gather='fp8' is not supported"]),
     ],
 )
 def test_every_argument_is_checked(kwargs: dict, fragments: list[str]) -> None:
@@ -162,6 +169,22 @@ def test_good_arguments_pass() -> None:
         (1, 2),
         None,
     )
+
+
+def test_the_arguments_between_hosts_reach_the_engine_from_a_config() -> None:
+    """LightningCLI builds the strategy from a config's fields: the shorthand string, the dataclass's fields as a
+    mapping, and FSDP2's int form of reshard_after_forward all arrive as the engine takes them."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(FSDPStrategy, "strategy")
+    for given, expected in (("int8", CrossHostPrecision("int8", "bf16")), ('{"gather": "bf16"}', None)):
+        args = ["--strategy.reshard_after_forward", "2", "--strategy.cross_host_precision", given]
+        strategy = parser.instantiate(parser.parse_args(args)).strategy
+        options = strategy._engine_options()
+        assert options["reshard_after_forward"] == 2
+        assert options["cross_host_precision"] == (expected or CrossHostPrecision(gather="bf16"))
+    assert "reshard_after_forward" not in FSDPStrategy()._engine_options()
 
 
 def test_lightning_forms_of_the_arguments() -> None:

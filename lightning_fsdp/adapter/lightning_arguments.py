@@ -34,7 +34,7 @@ TORCH_FSDP_DEFAULTS: dict[str, Any] = {
     "device_mesh": None,
     "process_group": None,
     "backward_prefetch": "BACKWARD_PRE",
-    "forward_prefetch": False,
+    "forward_prefetch": None,
     "limit_all_gathers": True,
     "sync_module_states": False,
     "param_init_fn": None,

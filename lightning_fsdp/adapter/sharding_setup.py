@@ -34,12 +34,13 @@ from lightning_fsdp.adapter.lightning_arguments import (
     torch_fsdp_keywords,
 )
 from lightning_fsdp.adapter.strategy_arguments import ARGUMENTS, Policy, WrapPolicy, strategy_arguments
-from lightning_fsdp.engine import MixedPrecision, apply_activation_checkpointing, fully_shard
+from lightning_fsdp.engine import CrossHostPrecision, MixedPrecision, apply_activation_checkpointing, fully_shard
 from lightning_fsdp.engine.deferred_init import has_meta_tensors, track_meta_build
 from lightning_fsdp.engine.options import (
     ShardingStrategy,
     parse_backward_prefetch,
     parse_cpu_offload,
+    parse_reshard_after_forward,
     parse_sharding_strategy,
 )
 from lightning_fsdp.engine.policies import as_wrap_policy, module_classes, repeated_block_class, select_unit_modules
@@ -187,7 +188,9 @@ class ShardedModelSetup(ABC):
             raise ValueError(f"param_init_fn must be a callable taking a module, got {arguments.param_init_fn!r}.")
         self.param_init_fn = arguments.param_init_fn
         self.cpu_offload = parse_cpu_offload(arguments.cpu_offload)
-        self.forward_prefetch = flag("forward_prefetch", arguments.forward_prefetch)
+        self.forward_prefetch = (
+            None if arguments.forward_prefetch is None else flag("forward_prefetch", arguments.forward_prefetch)
+        )
         self.limit_all_gathers = flag("limit_all_gathers", arguments.limit_all_gathers)
         self.sync_module_states = flag("sync_module_states", arguments.sync_module_states)
         self.use_orig_params = flag("use_orig_params", arguments.use_orig_params)
@@ -204,6 +207,9 @@ class ShardedModelSetup(ABC):
             )
         self.storage_options = arguments.storage_options
         self.async_save = flag("async_save", arguments.async_save)
+        parse_reshard_after_forward(arguments.reshard_after_forward, parse_sharding_strategy(self.sharding_strategy))
+        self.reshard_after_forward = arguments.reshard_after_forward
+        self.cross_host_precision = CrossHostPrecision.coerce(arguments.cross_host_precision)
         self.kwargs = torch_fsdp_keywords(
             {
                 "auto_wrap_policy": arguments.auto_wrap_policy,
@@ -309,6 +315,10 @@ class ShardedModelSetup(ABC):
             options["ignored_modules"] = self.ignored_modules
         if self.ignored_params:
             options["ignored_params"] = self.ignored_params
+        if self.reshard_after_forward is not None:
+            options["reshard_after_forward"] = self.reshard_after_forward
+        if self.cross_host_precision is not None:
+            options["cross_host_precision"] = self.cross_host_precision
         return options
 
     def _engine_mixed_precision(self) -> MixedPrecision | None:

@@ -22,7 +22,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_fsdp.engine import MixedPrecision
+from lightning_fsdp.engine import CrossHostPrecision, MixedPrecision
 
 WrapPolicy = Callable[[nn.Module, bool, int], bool]
 # str first and the callable last: jsonargparse tries the members in order, and then keeps class paths from a YAML
@@ -45,7 +45,7 @@ def strategy_arguments(
     state_dict_type: Literal["full", "sharded"] = "full",
     device_mesh: tuple[int, int] | DeviceMesh | None = None,
     backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] | Enum | None = "BACKWARD_PRE",
-    forward_prefetch: bool = False,
+    forward_prefetch: bool | None = None,
     limit_all_gathers: bool = True,
     sync_module_states: bool = False,
     param_init_fn: Callable[[nn.Module], None] | None = None,
@@ -57,6 +57,8 @@ def strategy_arguments(
     trust_checkpoint: bool = False,
     storage_options: dict[str, Any] | None = None,
     async_save: bool = False,
+    reshard_after_forward: bool | int | None = None,
+    cross_host_precision: Literal["bf16", "int8"] | CrossHostPrecision | None = None,
 ) -> dict[str, Any]:
     """Every shared argument by name, the defaults filled in where ``given`` lacks one. What each means is in
     ``FSDPStrategy``'s docstring; the checks are in ``ShardedModelSetup._set_sharding_arguments``."""

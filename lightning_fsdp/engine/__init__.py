@@ -4,11 +4,12 @@ from lightning_fsdp.engine.api import fully_shard
 from lightning_fsdp.engine.checkpointing import apply_activation_checkpointing
 from lightning_fsdp.engine.clip import clip_grad_norm_, clip_grad_value_
 from lightning_fsdp.engine.contexts import no_sync, set_requires_gradient_sync, summon_full_params
-from lightning_fsdp.engine.options import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from lightning_fsdp.engine.options import BackwardPrefetch, CrossHostPrecision, MixedPrecision, ShardingStrategy
 from lightning_fsdp.engine.policies import ModuleClassPolicy, SizeBasedPolicy, size_based_policy
 
 __all__ = [
     "BackwardPrefetch",
+    "CrossHostPrecision",
     "MixedPrecision",
     "apply_activation_checkpointing",
     "ModuleClassPolicy",

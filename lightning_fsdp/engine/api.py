@@ -20,7 +20,13 @@ from lightning_fsdp.engine.host_memory import keep_freed_memory
 from lightning_fsdp.engine.load_hooks import install_load_hooks
 from lightning_fsdp.engine.module_buffers import broadcast_from_first
 from lightning_fsdp.engine.optimizer_guard import record_replaced
-from lightning_fsdp.engine.options import BackwardPrefetch, MixedPrecision, ShardingOptions, ShardingStrategy
+from lightning_fsdp.engine.options import (
+    BackwardPrefetch,
+    CrossHostPrecision,
+    MixedPrecision,
+    ShardingOptions,
+    ShardingStrategy,
+)
 from lightning_fsdp.engine.ownership import OwnedParam, assign_params
 from lightning_fsdp.engine.param import FSDPParam
 from lightning_fsdp.engine.policies import PolicyLike, as_wrap_policy, select_unit_modules
@@ -38,7 +44,7 @@ def fully_shard(
     process_group: ProcessGroup | None = None,
     device_mesh: DeviceMesh | tuple[int, int] | None = None,
     backward_prefetch: str | BackwardPrefetch | None = "BACKWARD_PRE",
-    forward_prefetch: bool = False,
+    forward_prefetch: bool | None = None,
     limit_all_gathers: bool = True,
     mixed_precision: MixedPrecision | None = None,
     cpu_offload: bool = False,
@@ -47,6 +53,8 @@ def fully_shard(
     sync_module_states: bool = False,
     ignored_modules: Iterable[nn.Module] = (),
     ignored_params: Iterable[nn.Parameter] = (),
+    reshard_after_forward: bool | int | None = None,
+    cross_host_precision: CrossHostPrecision | str | None = None,
 ) -> nn.Module:
     """Shard ``module`` in place across the ranks of ``process_group`` and return it.
 
@@ -68,7 +76,9 @@ def fully_shard(
         device_mesh: HYBRID_SHARD only: a 2-D DeviceMesh (replicate, shard) or its sizes.
         backward_prefetch: gather the unit backward reaches next when the current one's backward starts
             (``"BACKWARD_PRE"``) or ends (``"BACKWARD_POST"``); None to gather on demand.
-        forward_prefetch: gather the next unit of the forward order (recorded in the first step) ahead of time.
+        forward_prefetch: gather the next unit of the forward order (recorded in the first step) ahead of time. None:
+            when the unit's gathers cross hosts (see [Note: the link's queue] in ``hooks.py``); on one host it
+            measured no gain.
         limit_all_gathers: allow at most two units to be gathered ahead of their use.
         mixed_precision: dtypes for the gathered parameters, the gradient reduction and the buffers; the shards
             (the optimizer's master weights) keep their own dtype.
@@ -85,9 +95,23 @@ def fully_shard(
             with ``ModelMismatchError`` (see [Note: different values are made rank 0's] in ``fingerprint.py``).
         ignored_modules, ignored_params: left whole, on every rank, and untouched by the engine (their gradients
             are not reduced either).
+        reshard_after_forward: as torch FSDP2's: True frees the full parameters after forward (backward gathers them
+            again), False keeps them until backward ends, an int is the ranks to stay sharded over in between: the
+            ranks per host of a group that spans hosts, so that backward gathers inside each host and nothing crosses
+            the link (see docs/multi-node.md). None: what ``sharding_strategy`` does (True for FULL_SHARD and
+            HYBRID_SHARD). Checked at the first forward, when the hosts are known.
+        cross_host_precision: fewer bits for what crosses between hosts (CPU ranks): ``"bf16"``, ``"int8"`` or a
+            ``CrossHostPrecision``; the computation and the master weights keep their dtypes. None: every bit.
     """
     options = ShardingOptions.parse(
-        sharding_strategy, backward_prefetch, forward_prefetch, limit_all_gathers, mixed_precision, cpu_offload
+        sharding_strategy,
+        backward_prefetch,
+        forward_prefetch,
+        limit_all_gathers,
+        mixed_precision,
+        cpu_offload,
+        reshard_after_forward,
+        cross_host_precision,
     )
     wrap_policy = as_wrap_policy(policy)
     groups = resolve_groups(options.sharding_strategy, process_group, device_mesh)

@@ -141,7 +141,12 @@ def unpack_all_gather(blocks: list[torch.Tensor], shard_numels: list[int], dests
     """
     rows = [dest.view(len(blocks), -1) for dest in dests]
     for rank, block in enumerate(blocks):
-        torch.split_with_sizes_copy(block.view(1, -1), shard_numels, dim=1, out=[row[rank : rank + 1] for row in rows])
+        if all(row.dtype == block.dtype for row in rows):
+            out = [row[rank : rank + 1] for row in rows]
+            torch.split_with_sizes_copy(block.view(1, -1), shard_numels, dim=1, out=out)
+        else:  # rows that crossed hosts in fewer bits (CrossHostPrecision): the copy is the cast back
+            for row, part in zip(rows, block.split(shard_numels), strict=True):
+                row[rank].copy_(part)
 
 
 def unpack_gathered_chunk(
@@ -155,9 +160,14 @@ def unpack_gathered_chunk(
 
 def sum_rows(rows: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """The elementwise sum of equal-sized rows, into ``out`` or a new tensor (pairwise adds stream;
-    ``sum(dim=0)`` strides)."""
+    ``sum(dim=0)`` strides). An ``out`` of a wider dtype than the rows accumulates in its own dtype."""
     if len(rows) == 1:
         return rows[0].clone() if out is None else out.copy_(rows[0])
+    if out is not None and out.dtype != rows[0].dtype:
+        out.copy_(rows[0])
+        for row in rows[1:]:
+            out.add_(row)
+        return out
     result = torch.add(rows[0], rows[1], out=out)
     for row in rows[2:]:
         result.add_(row)

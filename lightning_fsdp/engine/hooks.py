@@ -87,6 +87,15 @@ not deeper): it raises a sentence naming the unit and the fix when the root does
 is a handful of cheap checks per step, at the root only: the root is what code outside the forward reaches into,
 and a hook on every submodule of every unit would tax each forward. A call into a non-root unit's submodule is not
 guarded. ``fully_shard`` on a parent makes a new root, and the old root's guards are removed.
+
+[Note: the link's queue] On one host a gather or reduction is done almost as soon as it is issued; across a link
+it takes longer than the compute around it, and the link idles whenever nothing is queued behind the collective in
+flight. So when a root's collectives cross hosts (``Transport.crosses_hosts``), it keeps the link's queue full: the
+gathers of the next ``MAX_PREFETCHED_UNITS`` units (not one) are issued ahead in both directions, forward prefetch is on
+unless the user turned it off (``forward_prefetch=None``, the default), and two reductions stay in flight behind the
+current one instead of one. The rate limiter bounds the gathered units as always; what grows is a reduction's send
+buffer more alive at once. Measured on ``../shared/bench``'s two simulated hosts at 1 Gbit/s: see
+``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -108,7 +117,7 @@ from lightning_fsdp.engine.options import BackwardPrefetch
 from lightning_fsdp.engine.registry import unit_of, units_under
 from lightning_fsdp.engine.transport import Transport, choose_transport
 from lightning_fsdp.engine.transport.ledger import Ledger
-from lightning_fsdp.engine.unit import FSDPUnit, PendingGradReduction, ShardState
+from lightning_fsdp.engine.unit import FSDPUnit, PendingGradReduction
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +140,10 @@ class RootContext:
         self.ledger: Ledger | None = None  # numbers the units' collectives (see [Note: collective identity])
         self.callback_queued = False
         self.buffers_trained = False  # a training forward ran since the ranks last took rank 0's buffers
+        # See [Note: the link's queue]; set once the transports are chosen.
+        self.gathers_cross_hosts = False
+        self.prefetch_depth = 1
+        self.reductions_in_flight = 1
 
     def lazy_init(self) -> None:
         """Claim every unit under the root. Safe to call again: it only re-reads which units exist."""
@@ -175,10 +188,17 @@ class RootContext:
         needs: dict[int, dict[str, int]] = {}
         for unit in self.units:
             _add_needs(needs, unit)
+        precision = root.options.cross_host_precision
         for group in (root.shard_group, root.replicate_group):
             if id(group) not in self.transports:
                 need = needs[id(group)]
-                self.transports[id(group)] = choose_transport(group, root.compute_device(), need)
+                self.transports[id(group)] = choose_transport(group, root.compute_device(), need, precision)
+        for unit in self.units:
+            unit.resolve_after_forward(self.transports[id(unit.shard_group)])
+        self.gathers_cross_hosts = self.transports[id(root.shard_group)].crosses_hosts
+        reductions_cross = self.gathers_cross_hosts or self.transports[id(root.replicate_group)].crosses_hosts
+        self.prefetch_depth = MAX_PREFETCHED_UNITS if self.gathers_cross_hosts else 1
+        self.reductions_in_flight = 2 if reductions_cross else 1
 
     def describe(self) -> str:
         """One line on this root: its units, the largest send buffer of each collective, the transports."""
@@ -223,26 +243,38 @@ class RootContext:
             return None
         return self.forward_order[index + step]
 
+    def next_units(self, unit: FSDPUnit, direction: int) -> list[FSDPUnit]:
+        """The units to gather ahead of ``unit`` in ``direction`` (+1 forward order, -1 backward's), nearest first:
+        one, or ``prefetch_depth`` where the gathers cross hosts (see [Note: the link's queue])."""
+        ahead = (self.neighbour(unit, direction * step) for step in range(1, self.prefetch_depth + 1))
+        return [u for u in ahead if u is not None]
+
+    def prefetches_forward(self, unit: FSDPUnit) -> bool:
+        wanted = unit.options.forward_prefetch
+        return (self.gathers_cross_hosts if wanted is None else wanted) and self.order_frozen
+
     def prefetch(self, unit: FSDPUnit | None) -> None:
-        if unit is None or unit.shard_state is not ShardState.SHARDED:
+        if unit is None or not unit.needs_gather:
             return
         if unit.options.limit_all_gathers and sum(u.prefetched for u in self.units) >= MAX_PREFETCHED_UNITS:
             return
         unit.prefetch()
 
-    def unshard_for_use(self, unit: FSDPUnit, prefetch: FSDPUnit | None) -> None:
-        """Issue the unit's gather, then the prefetch's (so the unit's arrives first), then wait for the unit."""
+    def unshard_for_use(self, unit: FSDPUnit, prefetch: list[FSDPUnit]) -> None:
+        """Issue the unit's gather, then the prefetches' (so the unit's arrives first), then wait for the unit."""
         unit.unshard()
-        self.prefetch(prefetch)
+        for ahead in prefetch:
+            self.prefetch(ahead)
         unit.use()
 
     # ----- gradients -----------------------------------------------------------------------------------------------
 
     def enqueue_reduction(self, reduction: PendingGradReduction | None) -> None:
-        """Keep one reduction in flight behind the current one: overlap without holding every send buffer."""
+        """Keep one reduction in flight behind the current one (two across a link: see [Note: the link's queue]):
+        overlap without holding every send buffer."""
         if reduction is not None:
             self.pending.append(reduction)
-        while len(self.pending) > 1:
+        while len(self.pending) > self.reductions_in_flight:
             self.pending.popleft().finish()
 
     def note_early_grads(self, unit: FSDPUnit) -> None:
@@ -321,8 +353,7 @@ def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) ->
     unit.begin_forward(records_grads=torch.is_grad_enabled())
     if torch.is_grad_enabled():
         context.record_forward(unit)
-    forward_next = context.neighbour(unit, +1) if unit.options.forward_prefetch and context.order_frozen else None
-    context.unshard_for_use(unit, forward_next)
+    context.unshard_for_use(unit, context.next_units(unit, +1) if context.prefetches_forward(unit) else [])
     if torch.is_grad_enabled():
         unit.hook_trainable_params(lambda param: on_grad_accumulated(unit, param))
     precision = unit.options.mixed_precision
@@ -353,8 +384,8 @@ def post_forward(unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) ->
         return output
     unit.end_forward()
     backward_next = torch.is_grad_enabled() and context.is_backwards_first(unit)
-    if unit.options.reshard_after_forward and not unit.is_root and not backward_next:
-        unit.reshard()
+    if not unit.is_root and not backward_next:
+        unit.end_forward_gathered()
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if tensors and torch.is_grad_enabled():
         register_multi_grad_hook(tensors, lambda _grad: pre_backward(unit), mode="any")
@@ -374,7 +405,7 @@ def pre_backward(unit: FSDPUnit) -> None:
         return
     context.reduce_early_grads(besides=unit)
     prefetch = unit.options.backward_prefetch is BackwardPrefetch.BACKWARD_PRE
-    context.unshard_for_use(unit, context.neighbour(unit, -1) if prefetch else None)
+    context.unshard_for_use(unit, context.next_units(unit, -1) if prefetch else [])
 
 
 @torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]

@@ -123,33 +123,125 @@ def _is_torch_fsdp_object(value: object, class_name: str) -> bool:
     return cls.__name__ == class_name and cls.__module__.startswith("torch.distributed.fsdp")
 
 
+WIRE_FORMATS = {"gather": ("bf16", "int8"), "reduce": ("bf16",)}
+
+
+@dataclass(frozen=True)
+class CrossHostPrecision:
+    """What crosses between hosts in fewer bits than the computation uses, the computation itself unchanged.
+
+    ``gather="bf16"``: the all-gathers' part between hosts carries bf16 copies of the parameters; ``"int8"``: blockwise
+    int8 with one fp32 scale per block of ``INT8_BLOCK`` elements (the quantized weights of ZeRO++'s qwZ). Every rank
+    -- the one that owns a row included -- computes with the same rounded values, so the replicas stay identical; the
+    optimizer's master weights stay exact. ``reduce="bf16"``: the gradient reductions' part between hosts carries
+    bf16, summed in fp32 where it arrives. Inside a host nothing changes: shared memory moves the full precision. The
+    strings ``"bf16"`` (bf16 both ways) and ``"int8"`` (int8 gathers, bf16 reductions) are shorthands. What each does
+    to the loss is measured in docs/multi-node.md.
+    """
+
+    gather: str | None = None
+    reduce: str | None = None
+
+    def __post_init__(self) -> None:
+        for field_name, formats in WIRE_FORMATS.items():
+            value = getattr(self, field_name)
+            if value is not None and value not in formats:
+                raise ValueError(
+                    f"CrossHostPrecision.{field_name}={value!r} is not supported; use one of {formats} or None."
+                )
+
+    @staticmethod
+    def coerce(value: object) -> CrossHostPrecision | None:
+        """Ours, None, a shorthand string, or a mapping of the fields (a config file's form)."""
+        if value is None or isinstance(value, CrossHostPrecision):
+            return value if value != CrossHostPrecision() else None
+        if isinstance(value, str):
+            shorthands = {"bf16": CrossHostPrecision("bf16", "bf16"), "int8": CrossHostPrecision("int8", "bf16")}
+            if value.lower() not in shorthands:
+                raise ValueError(
+                    f"cross_host_precision={value!r} is not supported; use 'bf16', 'int8', None or "
+                    "CrossHostPrecision(gather=..., reduce=...)."
+                )
+            return shorthands[value.lower()]
+        if isinstance(value, dict) and set(value) <= {"gather", "reduce"}:
+            return CrossHostPrecision.coerce(CrossHostPrecision(**value))
+        raise ValueError(
+            f"cross_host_precision must be 'bf16', 'int8', None, a CrossHostPrecision or a dict of its fields, got "
+            f"{value!r}."
+        )
+
+    @property
+    def gather_dtype(self) -> torch.dtype | None:
+        """The dtype a gather's rows cross in, when that is a plain cast (bf16)."""
+        return torch.bfloat16 if self.gather == "bf16" else None
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        return torch.bfloat16 if self.reduce == "bf16" else None
+
+
+def parse_reshard_after_forward(value: object, strategy: ShardingStrategy) -> bool | int:
+    """``reshard_after_forward`` as torch FSDP2 takes it: True (free the full parameters after forward; backward
+    gathers them again), False (keep them until backward), or an int: the ranks to stay sharded over after forward
+    (the ranks per host: backward then gathers inside the host only). None: what ``strategy`` does."""
+    default = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        if value and not default:
+            raise ValueError(
+                f"reshard_after_forward=True contradicts sharding_strategy={strategy.value}, which keeps the full "
+                "parameters after forward; use FULL_SHARD (or HYBRID_SHARD) to reshard them."
+            )
+        return value
+    if isinstance(value, int) and value >= 1:
+        if not default:
+            raise ValueError(
+                f"reshard_after_forward={value} needs sharding_strategy FULL_SHARD or HYBRID_SHARD, not "
+                f"{strategy.value}, which keeps the full parameters after forward."
+            )
+        return value
+    raise ValueError(
+        f"reshard_after_forward must be True, False, None or a positive number of ranks (the ranks per host), got "
+        f"{value!r}."
+    )
+
+
 @dataclass(frozen=True)
 class ShardingOptions:
     """Everything a unit needs to know about how it shards, shared by all units of one ``fully_shard`` call."""
 
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
-    forward_prefetch: bool = False
+    forward_prefetch: bool | None = None  # None: where the gathers cross hosts
     limit_all_gathers: bool = True
     mixed_precision: MixedPrecision = MixedPrecision()
     cpu_offload: bool = False
+    # True, False, or the ranks to stay sharded over after forward: see ``parse_reshard_after_forward``.
+    reshard_after_forward: bool | int = True
+    cross_host_precision: CrossHostPrecision | None = None
 
     @staticmethod
     def parse(
         sharding_strategy: str | ShardingStrategy,
         backward_prefetch: str | BackwardPrefetch | None,
-        forward_prefetch: bool,
+        forward_prefetch: bool | None,
         limit_all_gathers: bool,
         mixed_precision: object,
         cpu_offload: object,
+        reshard_after_forward: object = None,
+        cross_host_precision: object = None,
     ) -> ShardingOptions:
+        strategy = parse_sharding_strategy(sharding_strategy)
         return ShardingOptions(
-            parse_sharding_strategy(sharding_strategy),
+            strategy,
             parse_backward_prefetch(backward_prefetch),
-            bool(forward_prefetch),
+            None if forward_prefetch is None else bool(forward_prefetch),
             bool(limit_all_gathers),
             MixedPrecision.coerce(mixed_precision) or MixedPrecision(),
             parse_cpu_offload(cpu_offload),
+            parse_reshard_after_forward(reshard_after_forward, strategy),
+            CrossHostPrecision.coerce(cross_host_precision),
         )
 
     @property
@@ -160,7 +252,3 @@ class ShardingOptions:
             and self.mixed_precision.param_dtype is None
             and not self.cpu_offload
         )
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        return self.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)  # not ZERO2

@@ -41,8 +41,17 @@ EARLY_REDUCTION_MIN_BYTES = 1 << 20
 
 class ShardState(Enum):
     SHARDED = auto()  # only the local shards exist; the module holds them
+    HOST_SHARDED = auto()  # the module holds the shards; this rank also keeps its host's share (``host_rows``)
     UNSHARDING = auto()  # the all-gather is in flight; the module still holds the shards
     UNSHARDED = auto()  # full tensors allocated and registered on the module
+
+
+class AfterForward(Enum):
+    """What a unit's full parameters become after its forward (``reshard_after_forward``, resolved per transport)."""
+
+    RESHARD = auto()  # freed; backward gathers them again from every rank
+    TO_HOST = auto()  # freed, this rank's host rows kept; backward gathers inside the host (see hierarchical.py)
+    KEEP = auto()  # kept until backward ends
 
 
 class TrainingState(Enum):
@@ -72,10 +81,6 @@ class PendingGradReduction:
     def finish(self) -> None:
         with record_function("lightning_fsdp.wait_reduce"):
             reduced = self.pending.wait()
-            unit = self.unit
-            if unit.replicate_group is not None and unit.params:  # HYBRID: sum the shard over the replicas too
-                stamp = unit.stamp("all-reduce", reduced.numel(), reduced.dtype)
-                reduced = unit.replicate_transport().all_reduce([reduced], reduced.dtype, stamp).wait()
             if self.divide_after:  # an average over ranks, as DDP and the unsharded reference compute
                 reduced.div_(self.unit.total_world_size)
             self.unit.accept_reduced_grads(reduced, self.params, self.had_grad)
@@ -109,6 +114,8 @@ class FSDPUnit:
         # See [Note: one rank keeps the parameter whole] in param.py: nothing to gather, copy or reduce.
         self.is_whole = bool(params) and all(p.is_whole for p in params)
         self.shard_state = ShardState.SHARDED if params else ShardState.UNSHARDED
+        self.after_forward = AfterForward.RESHARD if options.reshard_after_forward else AfterForward.KEEP
+        self.host_rows: list[torch.Tensor] | None = None  # see [Note: resharded to the host] in hierarchical.py
         self.training_state = TrainingState.IDLE
         self.is_root = False
         # Forwards of this unit entered and not yet returned (backward may run in between). More than one when the
@@ -188,9 +195,37 @@ class FSDPUnit:
         """A forward while backward is inside this unit: activation checkpointing recomputes it."""
         return self.training_state is TrainingState.PRE_BACKWARD
 
+    def resolve_after_forward(self, transport: Transport) -> None:
+        """``reshard_after_forward`` for this unit's group, once the root has chosen its transport: a number of
+        ranks means the whole group (True), one rank (False), or the ranks per host of a group that spans hosts."""
+        setting = self.options.reshard_after_forward
+        if isinstance(setting, bool):
+            self.after_forward = AfterForward.RESHARD if setting else AfterForward.KEEP
+        elif setting == self.world_size:
+            self.after_forward = AfterForward.RESHARD
+        elif setting == 1:
+            self.after_forward = AfterForward.KEEP
+        elif setting == transport.ranks_per_host:
+            self.after_forward = AfterForward.TO_HOST
+        else:
+            hosts = (
+                f"{transport.ranks_per_host} ranks on each of its hosts"
+                if transport.ranks_per_host is not None
+                else "no hosts that each hold the same number of its ranks in a row"
+            )
+            raise ValueError(
+                f"reshard_after_forward={setting} is not a size this unit's group of {self.world_size} ranks can stay "
+                f"sharded over: it has {hosts}; pass the ranks per host, True (all {self.world_size}) or False."
+            )
+
+    @property
+    def needs_gather(self) -> bool:
+        """Whether the full parameters are neither gathered nor on their way."""
+        return self.shard_state in (ShardState.SHARDED, ShardState.HOST_SHARDED)
+
     def prefetch(self) -> None:
         """Start the gather ahead of use; the rate limiter counts the unit until ``use`` or ``reshard``."""
-        if self.shard_state is ShardState.SHARDED:
+        if self.needs_gather:
             self.unshard()
             self.prefetched = True
 
@@ -361,12 +396,16 @@ class FSDPUnit:
     # ----- parameters: sharded <-> unsharded -------------------------------------------------------------------
 
     def unshard(self) -> None:
-        """Start gathering the full parameters (asynchronously); a no-op when they are gathered or in flight."""
-        if self.shard_state is not ShardState.SHARDED:
+        """Start gathering the full parameters (asynchronously); a no-op when they are gathered or in flight.
+
+        From ``HOST_SHARDED`` the gather stays inside the host; a training forward of a unit resharded to the host
+        keeps its host rows on the way (see [Note: resharded to the host] in ``transport/hierarchical.py``)."""
+        if not self.needs_gather:
             return
         if self.is_whole:
             self.shard_state = ShardState.UNSHARDED  # the registered parameters are the full ones already
             return
+        keep_host_rows = self.after_forward is AfterForward.TO_HOST and torch.is_grad_enabled() and not self.is_root
         with record_function("lightning_fsdp.unshard"), torch.no_grad():
             for fsdp_param in self.params:
                 fsdp_param.alloc_unsharded()
@@ -375,12 +414,20 @@ class FSDPUnit:
             numel = sum(shard.numel() for shard in shards)
             stamp = self.stamp("all-gather", numel, dtype) if self.world_size > 1 else None
             dests = [fsdp_param.unsharded_buffer for fsdp_param in self.params]
-            self._pending_gather = self.transport().all_gather_into(shards, dtype, stamp, dests)
+            transport = self.transport()
+            if self.host_rows is not None:
+                self._pending_gather = transport.gather_in_host(self.host_rows, dtype, stamp, dests)
+            elif keep_host_rows:
+                hosts = self.world_size // (transport.ranks_per_host or 1)
+                self.host_rows = [shard.new_empty(hosts * shard.numel(), dtype=dtype) for shard in shards]
+                self._pending_gather = transport.all_gather_to_host(shards, dtype, stamp, dests, self.host_rows)
+            else:
+                self._pending_gather = transport.all_gather_into(shards, dtype, stamp, dests)
         self.shard_state = ShardState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
         """Finish the gather, copy every parameter out of the flat buffer and register the full tensors."""
-        if self.shard_state is ShardState.SHARDED:
+        if self.needs_gather:
             self.unshard()
         if self.shard_state is ShardState.UNSHARDED:
             return
@@ -392,19 +439,31 @@ class FSDPUnit:
                 fsdp_param.register_unsharded()
         self.shard_state = ShardState.UNSHARDED
 
-    def reshard(self) -> None:
-        """Register the shards again and give the full tensors' memory back."""
+    def end_forward_gathered(self) -> None:
+        """Stage 3 for a unit whose backward is not next: what ``reshard_after_forward`` says."""
+        if self.after_forward is AfterForward.RESHARD:
+            self.reshard()
+        elif self.after_forward is AfterForward.TO_HOST:
+            self.reshard(keep_host_rows=True)
+
+    def reshard(self, keep_host_rows: bool = False) -> None:
+        """Register the shards again and give the full tensors' memory back; with ``keep_host_rows``, the host rows a
+        training forward's gather kept stay for backward (``HOST_SHARDED``)."""
         if not self.params:
             return
         if self.shard_state is ShardState.UNSHARDING:
             self.wait_for_unshard()  # never free memory a collective is still writing into
-        if self.shard_state is ShardState.SHARDED:
+        keep = keep_host_rows and self.host_rows is not None
+        if not keep:
+            self.host_rows = None
+        if self.shard_state is ShardState.SHARDED or (self.shard_state is ShardState.HOST_SHARDED and keep):
             return
-        with record_function("lightning_fsdp.reshard"):
-            for fsdp_param in self.params:
-                fsdp_param.register_sharded()
-                fsdp_param.free_unsharded()
-        self.shard_state = ShardState.SHARDED
+        if self.shard_state is ShardState.UNSHARDED:
+            with record_function("lightning_fsdp.reshard"):
+                for fsdp_param in self.params:
+                    fsdp_param.register_sharded()
+                    fsdp_param.free_unsharded()
+        self.shard_state = ShardState.HOST_SHARDED if keep else ShardState.SHARDED
         self.prefetched = False
 
     def summon(self) -> None:
@@ -472,9 +531,25 @@ class FSDPUnit:
             divide_by = self.total_world_size
         with torch.no_grad():  # the cast to reduce_dtype, if any, is the transport's packing copy
             pending = transport.reduce_scatter(rows, reduce_dtype, stamp, divide_by)
+            if self.replicate_group is not None:  # HYBRID: sum the shard over the replicas too
+                pending = self._sum_over_replicas(pending, transport.synchronous)
         for fsdp_param in trainable:
             fsdp_param.unsharded.grad = None
         return PendingGradReduction(self, pending, trainable, had_grad, divide_by is None)
+
+    def _sum_over_replicas(self, shard_sum: Pending[torch.Tensor], shard_stage_done: bool) -> Pending[torch.Tensor]:
+        """HYBRID's second stage. When the shard group's reduction is done on return (shared memory inside a host),
+        the all-reduce over the replicas -- the stage that crosses hosts -- starts now and runs on gloo's threads
+        behind the next units' backward; otherwise it starts when the shard stage is waited for."""
+
+        def start() -> Pending[torch.Tensor]:
+            reduced = shard_sum.wait()
+            stamp = self.stamp("all-reduce", reduced.numel(), reduced.dtype)
+            return self.replicate_transport().all_reduce([reduced], reduced.dtype, stamp)
+
+        if shard_stage_done:
+            return start()
+        return Pending(lambda: start().wait())
 
     def _all_reduce_grads(self) -> PendingGradReduction | None:
         trainable = [p for p in self.replicated if p.requires_grad]

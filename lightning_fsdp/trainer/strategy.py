@@ -111,8 +111,15 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         device_mesh: ``(replicate, shard)`` sizes, or a 2-D ``DeviceMesh``, for ``HYBRID_SHARD`` only; by default
             shard within a node and replicate across nodes.
         backward_prefetch: ``"BACKWARD_PRE"``, ``"BACKWARD_POST"`` or None.
-        forward_prefetch: gather the next unit in forward order ahead of time.
+        forward_prefetch: gather the next unit in forward order ahead of time; None (the default): where the gathers
+            cross hosts, where they would otherwise wait on the link.
         limit_all_gathers: at most two units gathered ahead of their use.
+        reshard_after_forward: as torch FSDP2's: True frees the full parameters after forward, False keeps them until
+            backward, an int is the ranks to stay sharded over in between -- the ranks per host, so that backward
+            gathers inside each host and nothing crosses the link (docs/multi-node.md). None: what
+            ``sharding_strategy`` does.
+        cross_host_precision: fewer bits for what crosses between hosts (CPU ranks): ``"bf16"``, ``"int8"`` or a
+            ``CrossHostPrecision(gather=..., reduce=...)``; the computation and the master weights keep their dtypes.
         sync_module_states: broadcast rank 0's parameters and buffers at setup.
         param_init_fn: initializes a module materialized from the meta device (``empty_init=True``), instead of
             replaying the recorded build (or, where that cannot be replayed, its ``reset_parameters()``). As in

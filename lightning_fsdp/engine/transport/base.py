@@ -121,6 +121,15 @@ class Transport(ABC):
     """
 
     name = "one rank"
+    # Whether a collective is done once its call returns or soon after, on the training thread (shared memory, one
+    # rank): then a stage that depends on it (HYBRID's sum across replicas) starts at once instead of at the wait.
+    synchronous = False
+    # The group's ranks on each of its hosts when its collectives run in two stages, inside each host and between
+    # hosts (``hierarchical.py``); None otherwise. Only such a transport can keep a unit resharded to the host.
+    ranks_per_host: int | None = None
+    # Whether some of its collectives' bytes cross a link between hosts: then waits are long and the units keep
+    # more gathers and reductions in flight (see [Note: the link's queue] in hooks.py).
+    crosses_hosts = False
 
     def __init__(self, group: ProcessGroup | None) -> None:
         self.group = group
@@ -161,6 +170,25 @@ class Transport(ABC):
             pending.release()
 
         return Pending(finish)
+
+    def all_gather_to_host(
+        self,
+        shards: list[torch.Tensor],
+        dtype: torch.dtype,
+        stamp: Stamp | None,
+        dests: list[torch.Tensor],
+        host_rows: list[torch.Tensor],
+    ) -> Pending[None]:
+        """``all_gather_into`` that also leaves in ``host_rows[i]`` the rows of shard i that every rank of this rank's
+        column holds (one rank of each host): what ``gather_in_host`` gathers the full tensors from again, inside
+        the host. See [Note: resharded to the host] in ``hierarchical.py``."""
+        raise NotImplementedError(f"{self.name} collectives have no stage inside a host")
+
+    def gather_in_host(
+        self, host_rows: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, dests: list[torch.Tensor]
+    ) -> Pending[None]:
+        """The full tensors into ``dests`` from the ``host_rows`` every rank of this host kept."""
+        raise NotImplementedError(f"{self.name} collectives have no stage inside a host")
 
     @abstractmethod
     def reduce_scatter(

@@ -19,6 +19,13 @@ threads move the one before, and their buffers come back to the pool for the nex
 temporaries are a few chunks whatever the unit's size, where whole-unit buffers were held by the pool until the end of
 the step (measured on the benchmark model with its 8192-token vocabulary: 1.76 x DDP's peak memory in a step). The
 chunks left in flight when the collective is issued finish in its ``wait``, behind compute.
+
+[Note: chunks between hosts] Across a link, that bound costs what it saves: the issuing rank waits for the link to
+land a chunk before it may launch the next one, and a gloo pair with one message in flight at a time moves far less
+than the link's rate (measured on ``../shared/bench``'s simulated 1 Gbit/s NIC: 75 MB/s with one 4 MB chunk in flight,
+115 MB/s with two or more, 48-66 MB/s for one 54 MB message). So a transport between hosts (``between_hosts``)
+launches every chunk of a collective when it is issued, each on gloo's threads: the training thread never waits on
+the link at issue, and the link always has a queue. Its buffers are the collective's size, as they would be whole.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.collectives import RankRows
@@ -48,6 +56,12 @@ class GlooTransport(Transport):
     """All-gather and all-to-all over gloo's worker threads, which overlap the training thread's compute."""
 
     name = "gloo"
+
+    def __init__(self, group: ProcessGroup, between_hosts: bool = False) -> None:
+        super().__init__(group)
+        self.crosses_hosts = between_hosts
+        # Chunks in flight at once: see [Note: chunks over gloo] and [Note: chunks between hosts].
+        self.chunks_in_flight = None if between_hosts else PIPELINE
 
     def all_gather(
         self, shards: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None
@@ -114,18 +128,29 @@ class GlooTransport(Transport):
             self.pool.give(send, keep=True)
             self.pool.give(output, keep=True)
 
-        return Pending(_pipelined(numel, per_chunk, launch, land))
+        return Pending(_pipelined(numel, per_chunk, launch, land, self.chunks_in_flight))
 
     def reduce_scatter(
         self, grads: list[RankRows], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:
         """See [Note: reduce-scatter on gloo]; one larger than ``chunk_limit()`` goes in chunks of columns (see
         [Note: chunks over gloo])."""
+        return self._reduce_scatter(grads, dtype, stamp, divide_by, dtype)
+
+    def _reduce_scatter(
+        self,
+        grads: list[RankRows],
+        dtype: torch.dtype,
+        stamp: Stamp | None,
+        divide_by: int | None,
+        result_dtype: torch.dtype,
+    ) -> Pending[torch.Tensor]:
+        """``reduce_scatter`` whose rows travel in ``dtype`` and are summed in ``result_dtype`` where they arrive."""
         pool, world_size = self.pool, self.world_size
         columns = sum(grad.columns for grad in grads)
         per_chunk = _per_chunk(world_size, dtype, stamp)
         if world_size * frame_bytes(columns * dtype.itemsize, stamp) > chunk_limit() and per_chunk > 0:
-            return self._reduce_scatter_chunked(grads, columns, per_chunk, dtype, stamp, divide_by)
+            return self._reduce_scatter_chunked(grads, columns, per_chunk, dtype, stamp, divide_by, result_dtype)
         data_bytes = columns * dtype.itemsize
         frame = frame_bytes(data_bytes, stamp)
         send = pool.take(world_size * frame, torch.uint8, grads[0].flat.device).view(world_size, frame)
@@ -142,7 +167,8 @@ class GlooTransport(Transport):
             work.wait()
             if stamp is not None:
                 stamp.verify_bytes(received[:, data_bytes:], self.group)
-            result = collectives.sum_rows(list(received[:, :data_bytes].view(dtype).unbind(0)))
+            out = None if result_dtype == dtype else torch.empty(columns, dtype=result_dtype, device=send.device)
+            result = collectives.sum_rows(list(received[:, :data_bytes].view(dtype).unbind(0)), out)
             pool.give(send)
             pool.give(received)
             return result
@@ -157,10 +183,11 @@ class GlooTransport(Transport):
         dtype: torch.dtype,
         stamp: Stamp | None,
         divide_by: int | None,
+        result_dtype: torch.dtype,
     ) -> Pending[torch.Tensor]:
         world_size, device = self.world_size, grads[0].flat.device
         full_frame = frame_bytes(per_chunk * dtype.itemsize, stamp)
-        result = torch.empty(columns, dtype=dtype, device=device)
+        result = torch.empty(columns, dtype=result_dtype, device=device)
 
         def launch(start: int, stop: int) -> tuple[Any, ...]:
             data_bytes = (stop - start) * dtype.itemsize
@@ -189,7 +216,7 @@ class GlooTransport(Transport):
             self.pool.give(send, keep=True)
             self.pool.give(received, keep=True)
 
-        rest = _pipelined(columns, per_chunk, launch, land)  # every chunk is packed now: ``grads`` can go
+        rest = _pipelined(columns, per_chunk, launch, land, self.chunks_in_flight)  # ``grads`` can go now
 
         def finish() -> torch.Tensor:
             rest()
@@ -207,10 +234,16 @@ class GlooTransport(Transport):
             flat[:numel].div_(divide_by)
         if stamp is not None:
             flat[numel:].copy_(stamp.digest(dtype))
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        # Between hosts, in chunks all in flight at once (see [Note: chunks between hosts]); the digest rides on the
+        # last one. On one host, one message.
+        per_chunk = _per_chunk(self.world_size, dtype, None) if self.crosses_hosts else 0
+        bounds = list(range(0, numel, per_chunk))[1:] if per_chunk else []
+        pieces = [flat[start:stop] for start, stop in zip([0, *bounds], [*bounds, flat.numel()], strict=True)]
+        works = [dist.all_reduce(piece, group=self.group, async_op=True) for piece in pieces]
 
         def finish() -> torch.Tensor:
-            work.wait()
+            for work in works:
+                work.wait()
             if stamp is not None:
                 stamp.verify_digest(flat[numel:], self.world_size)
             return flat[:numel]
@@ -224,13 +257,17 @@ def _per_chunk(world_size: int, dtype: torch.dtype, stamp: Stamp | None) -> int:
 
 
 def _pipelined(
-    total: int, per_chunk: int, launch: Callable[[int, int], Any], land: Callable[[Any], None]
+    total: int,
+    per_chunk: int,
+    launch: Callable[[int, int], Any],
+    land: Callable[[Any], None],
+    most: int | None,
 ) -> Callable[[], None]:
-    """``launch(start, stop)`` the chunks of ``total`` units, at most ``PIPELINE`` in flight (the oldest landed
-    before the next is launched); returns what lands those still in flight."""
+    """``launch(start, stop)`` the chunks of ``total`` units, at most ``most`` in flight (the oldest landed before
+    the next is launched; None: all at once); returns what lands those still in flight."""
     in_flight: deque[Any] = deque()
     for start in range(0, total, per_chunk):
-        if len(in_flight) == PIPELINE:
+        if len(in_flight) == most:
             land(in_flight.popleft())
         in_flight.append(launch(start, min(start + per_chunk, total)))
 

@@ -201,6 +201,7 @@ class SharedMemoryTransport(Transport):
     """
 
     name = "shared memory"
+    synchronous = True
 
     def __init__(
         self, group: ProcessGroup, send_bytes: dict[str, int], segments: list[torch.Tensor], pids: list[int]
@@ -209,7 +210,7 @@ class SharedMemoryTransport(Transport):
         self.segments = segments  # uint8, one per rank of the group, in group rank order (this rank's own too)
         self.words = [int64_words(segment) for segment in segments]
         self.peers = {rank: pid for rank, pid in enumerate(pids) if rank != self.rank}  # who a wait may wait on
-        self.timeout_s = _timeout_of(group).total_seconds()
+        self.timeout_s = timeout_of(group).total_seconds()
         self.sequence = 0  # uses of any slot so far: the same on every rank
         self.slots: dict[str, SlotSet] = {}
         offset = HEADER_BYTES  # after the rank's header
@@ -664,7 +665,7 @@ def _payload(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def _timeout_of(group: ProcessGroup) -> timedelta:
+def timeout_of(group: ProcessGroup) -> timedelta:
     """The timeout ``group`` was created with (what its gloo collectives wait at most), read from its gloo backend."""
     try:
         return group._get_backend(torch.device("cpu")).options._timeout

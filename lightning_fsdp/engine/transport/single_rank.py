@@ -13,6 +13,8 @@ from lightning_fsdp.engine.transport.ledger import Stamp
 class SingleRank(Transport):
     """No other rank: the collectives only pack (and cast)."""
 
+    synchronous = True
+
     def all_gather(
         self, shards: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None
     ) -> Pending[list[torch.Tensor]]:

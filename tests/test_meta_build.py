@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fsdp import FSDPStrategy
+from lightning_fsdp import FSDPStrategy, fully_shard, meta_build, summon_full_params
 from lightning_fsdp.engine.deferred_init import check_initializable, materialize, track_meta_build
 from tests.distributed import run_distributed
 
@@ -244,3 +244,24 @@ def test_param_init_fn_with_nothing_on_meta_is_named_in_a_warning(tmp_path: Path
         assert fragment in message, message
     assert {"Linear", "LayerNorm"} <= set(deferred["initialised"])
     assert deferred["warnings"] == []
+
+
+def _meta_build_rank(rank: int, world_size: int) -> None:
+    for creator in ("head", "embedding"):
+        torch.manual_seed(0)
+        eager = TiedLM(creator)
+        torch.manual_seed(0)
+        with meta_build():
+            model = TiedLM(creator)
+        assert all(p.is_meta for p in model.parameters())
+        fully_shard(model)
+        with summon_full_params(model):
+            built = {name: value.clone() for name, value in model.state_dict().items()}
+        for name, reference in eager.state_dict().items():
+            torch.testing.assert_close(built[name], reference, rtol=0, atol=0, msg=f"{creator}: {name}")
+
+
+def test_meta_build_gives_the_engine_alone_the_eager_values() -> None:
+    """``lightning_fsdp.meta_build()``: the recorded build for a model handed to ``fully_shard`` directly (no Trainer
+    or Fabric), exact on both ranks, where a plain ``torch.device("meta")`` is not (the test above)."""
+    run_distributed(_meta_build_rank, 2, timeout=120)

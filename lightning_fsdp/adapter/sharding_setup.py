@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
+from lightning_fsdp.adapter import watched_collectives
 from lightning_fsdp.adapter.lightning_arguments import (
     activation_checkpointing_alias,
     refuse_unknown_keywords,
@@ -45,6 +46,7 @@ from lightning_fsdp.engine.options import (
 )
 from lightning_fsdp.engine.policies import as_wrap_policy, module_classes, repeated_block_class, select_unit_modules
 from lightning_fsdp.engine.registry import unit_of
+from lightning_fsdp.engine.transport.whereabouts import watch_main_thread
 
 HYBRID_STRATEGIES = tuple(s.value for s in ShardingStrategy if s.is_hybrid)
 WHOLE_MODEL = "whole_model"  # auto_wrap_policy: the whole model as one unit, on purpose
@@ -120,21 +122,16 @@ class ShardedModelSetup(ABC):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        watch_main_thread()  # see [Note: every wait knows where its peers are]
 
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        if dist.is_available() and dist.is_initialized():
+            watched_collectives.barrier(self.root_device, name)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
             return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src)
-        return holder[0]
+        return watched_collectives.broadcast_object(obj, src)
 
     @contextmanager
     def _meta_build(self) -> Generator[None, None, None]:

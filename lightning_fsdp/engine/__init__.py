@@ -4,6 +4,7 @@ from lightning_fsdp.engine.api import fully_shard
 from lightning_fsdp.engine.checkpointing import apply_activation_checkpointing
 from lightning_fsdp.engine.clip import clip_grad_norm_, clip_grad_value_
 from lightning_fsdp.engine.contexts import no_sync, set_requires_gradient_sync, summon_full_params
+from lightning_fsdp.engine.deferred_init import meta_build
 from lightning_fsdp.engine.options import BackwardPrefetch, CrossHostPrecision, MixedPrecision, ShardingStrategy
 from lightning_fsdp.engine.policies import ModuleClassPolicy, SizeBasedPolicy, size_based_policy
 
@@ -18,6 +19,7 @@ __all__ = [
     "clip_grad_norm_",
     "clip_grad_value_",
     "fully_shard",
+    "meta_build",
     "no_sync",
     "set_requires_gradient_sync",
     "size_based_policy",

@@ -71,6 +71,16 @@ _PROGRAM_OF: weakref.WeakKeyDictionary[nn.Module, InitProgram] = weakref.WeakKey
 
 
 @contextmanager
+def meta_build() -> Generator[None, None, None]:
+    """Build a model for ``fully_shard`` on the meta device, recorded: ``fully_shard`` then gives it the values the
+    eager build would have (the same draws, in the same order), where a plain ``torch.device("meta")`` falls back to
+    each module's ``reset_parameters()``. The engine's equivalent of the Trainer's ``empty_init=True`` and Fabric's
+    ``init_module(empty_init=True)``; seed before the block as for the eager build."""
+    with torch.device("meta"), track_meta_build():
+        yield
+
+
+@contextmanager
 def track_meta_build() -> Generator[None, None, None]:
     """While a model is built on the meta device: record the init program the eager build would run (see [Note:
     replaying the eager build's init] in ``init_program.py``), remember which module created each parameter, and

@@ -140,6 +140,10 @@ class RootContext:
         self.ledger: Ledger | None = None  # numbers the units' collectives (see [Note: collective identity])
         self.callback_queued = False
         self.buffers_trained = False  # a training forward ran since the ranks last took rank 0's buffers
+        # The units an evaluation forward entered, in order, root excluded: what ``serve_forward`` replays
+        # (see [Note: serving the peers' forward] in serving.py). ``evaluation_units`` is the last whole one.
+        self.evaluation_units: list[FSDPUnit] = []
+        self._entering: list[FSDPUnit] | None = None
         # See [Note: the link's queue]; set once the transports are chosen.
         self.gathers_cross_hosts = False
         self.prefetch_depth = 1
@@ -225,6 +229,19 @@ class RootContext:
         elif self.buffers_trained:
             self.buffers_trained = False
             broadcast_buffers(self.root.module)
+
+    def note_entered(self, unit: FSDPUnit, outermost: bool) -> None:
+        """Record the units an evaluation forward (no gradients) enters, for ``serve_forward``."""
+        if torch.is_grad_enabled():
+            self._entering = None
+        elif unit.is_root and outermost:
+            self._entering = []
+        elif self._entering is not None and not unit.is_root:
+            self._entering.append(unit)
+
+    def end_entering(self) -> None:
+        if self._entering is not None:
+            self.evaluation_units, self._entering = self._entering, None
 
     # ----- order and prefetch --------------------------------------------------------------------------------------
 
@@ -350,6 +367,7 @@ def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) ->
         return None
     if unit.is_root:
         context.sync_buffers_for_evaluation(module.training)
+    context.note_entered(unit, outermost=not unit.in_forward)
     unit.begin_forward(records_grads=torch.is_grad_enabled())
     if torch.is_grad_enabled():
         context.record_forward(unit)
@@ -391,6 +409,8 @@ def post_forward(unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) ->
         register_multi_grad_hook(tensors, lambda _grad: pre_backward(unit), mode="any")
     elif unit.is_root:  # no graph to run backward through (eval, no_grad): leave nothing unsharded
         context.reshard_all()
+    if unit.is_root and not unit.in_forward:
+        context.end_entering()
     return output
 
 

@@ -34,13 +34,13 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
+from lightning_fsdp.adapter import watched_collectives
 from lightning_fsdp.adapter.sharding_setup import ShardedModelSetup
 from lightning_fsdp.adapter.strategy_arguments import publish_arguments
 from lightning_fsdp.adapter.strategy_names import register_names
@@ -271,7 +271,7 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
     @override
     def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return watched_collectives.reduce(tensor, group, reduce_op) if watched_collectives.available() else tensor
         return tensor
 
     # ----- checkpoints ----------------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
@@ -45,6 +44,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fsdp.adapter import watched_collectives
 from lightning_fsdp.adapter.sharding_setup import (
     ShardedModelSetup,
     check_optimizers_hold_shards,
@@ -71,10 +71,12 @@ from lightning_fsdp.engine.registry import unit_of
 from lightning_fsdp.engine.state_dict import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict
 from lightning_fsdp.trainer.checkpoint_io import atomic_checkpoint_io
 from lightning_fsdp.trainer.compile_support import accept_compiled_modules
+from lightning_fsdp.trainer.evaluation_signals import EvaluationSignals
 from lightning_fsdp.trainer.precision import FSDPPrecision, as_fsdp_precision
 from lightning_fsdp.trainer.preemption import DeferredSignals
 from lightning_fsdp.trainer.summary import use_full_size_summaries
 from lightning_fsdp.trainer.sync_batchnorm import for_device
+from lightning_fsdp.trainer.uneven_data import UnevenData
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -194,6 +196,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         self._ending_with_exception = False
         self._atomic_io: tuple[CheckpointIO, CheckpointIO] | None = None  # (the plugin, it made atomic)
         self._deferred_signals: DeferredSignals | None = None
+        self._evaluation_signals: EvaluationSignals | None = None
 
     # ----- where and how many ---------------------------------------------------------------------------------------
 
@@ -264,6 +267,8 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             self.model_to_device()
             self.model = self._setup_model(self.model)
         self.barrier()
+        if not any(isinstance(callback, UnevenData) for callback in trainer.callbacks):
+            trainer.callbacks.insert(0, UnevenData())  # first: see [Note: uneven evaluation] in uneven_data.py
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -307,6 +312,37 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         """Signals Lightning handles with collective work (SLURM's requeue save, SIGTERM's broadcast) wait for the
         next batch end, where every rank acts on them together (see [Note: deferred signals] in ``preemption.py``)."""
         self._deferred_signals = DeferredSignals.install(self._module().trainer)
+
+    @override
+    def on_validation_start(self) -> None:
+        if self._module().trainer.state.fn != TrainerFn.FITTING:  # inside fit, on_train_start's handling holds
+            self._evaluation_signals = EvaluationSignals.install(self._module().trainer)
+
+    @override
+    def on_test_start(self) -> None:
+        self._evaluation_signals = EvaluationSignals.install(self._module().trainer)
+
+    @override
+    def on_predict_start(self) -> None:
+        self._evaluation_signals = EvaluationSignals.install(self._module().trainer)
+
+    @override
+    def on_validation_end(self) -> None:
+        self._remove_evaluation_signals()
+
+    @override
+    def on_test_end(self) -> None:
+        self._remove_evaluation_signals()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._remove_evaluation_signals()
+
+    def _remove_evaluation_signals(self) -> None:
+        """SIGTERM back to Lightning's handler (see ``evaluation_signals.py``); safe to call twice."""
+        if self._evaluation_signals is not None:
+            self._evaluation_signals.remove()
+            self._evaluation_signals = None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -353,7 +389,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
         """Reduce ``tensor`` over the ranks (``"mean"`` or ``"sum"`` or a ``ReduceOp``); non-tensors pass through."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return watched_collectives.reduce(tensor, group, reduce_op) if watched_collectives.available() else tensor
         return tensor
 
     # ----- checkpoints ----------------------------------------------------------------------------------------------
@@ -573,6 +609,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         failure = self._background.close() if self._background is not None else None
         if self._deferred_signals is not None:
             self._deferred_signals.remove()
+        self._remove_evaluation_signals()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

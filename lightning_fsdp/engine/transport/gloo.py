@@ -42,6 +42,7 @@ from lightning_fsdp.engine import collectives
 from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.transport.base import PIPELINE, Pending, Transport, chunk_limit
 from lightning_fsdp.engine.transport.ledger import DIGEST_BITS, STAMP_BYTES, Stamp
+from lightning_fsdp.engine.transport.whereabouts import wait_work
 
 # torch 2.13 renamed the flat-tensor all-gather; older releases only have the old name.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -77,7 +78,7 @@ class GlooTransport(Transport):
         work = all_gather_flat(output, send, group=self.group, async_op=True)
 
         def finish() -> list[torch.Tensor]:
-            work.wait()
+            wait_work(work, self.group, stamp)
             frames = output.view(world_size, frame)
             if stamp is not None:
                 stamp.verify_bytes(frames[:, data_bytes:], self.group)
@@ -118,7 +119,7 @@ class GlooTransport(Transport):
 
         def land(chunk: tuple[Any, ...]) -> None:
             work, send, output, start, data_bytes, frame = chunk
-            work.wait()
+            wait_work(work, self.group, stamp)
             frames = output[: world_size * frame].view(world_size, frame)
             if stamp is not None:
                 stamp.verify_bytes(frames[:, data_bytes:], self.group)
@@ -164,7 +165,7 @@ class GlooTransport(Transport):
         work = dist.all_to_all_single(received.view(-1), send.view(-1), group=self.group, async_op=True)
 
         def finish() -> torch.Tensor:
-            work.wait()
+            wait_work(work, self.group, stamp)
             if stamp is not None:
                 stamp.verify_bytes(received[:, data_bytes:], self.group)
             out = None if result_dtype == dtype else torch.empty(columns, dtype=result_dtype, device=send.device)
@@ -208,7 +209,7 @@ class GlooTransport(Transport):
 
         def land(chunk: tuple[Any, ...]) -> None:
             work, send, received, start, stop, data_bytes, frame = chunk
-            work.wait()
+            wait_work(work, self.group, stamp)
             frames = received[: world_size * frame].view(world_size, frame)
             if stamp is not None:
                 stamp.verify_bytes(frames[:, data_bytes:], self.group)
@@ -243,7 +244,7 @@ class GlooTransport(Transport):
 
         def finish() -> torch.Tensor:
             for work in works:
-                work.wait()
+                wait_work(work, self.group, stamp)
             if stamp is not None:
                 stamp.verify_digest(flat[numel:], self.world_size)
             return flat[:numel]

@@ -27,6 +27,7 @@ from lightning_fsdp.engine.options import CrossHostPrecision
 from lightning_fsdp.engine.transport.base import Pending
 from lightning_fsdp.engine.transport.gloo import GlooTransport, all_gather_flat, frame_bytes
 from lightning_fsdp.engine.transport.ledger import Stamp
+from lightning_fsdp.engine.transport.whereabouts import wait_work
 from lightning_fsdp.engine.transport.wire import decode_int8, encode_int8, int8_frame_bytes
 
 
@@ -93,7 +94,7 @@ class LinkTransport(GlooTransport):
         rows = [dest.view(world_size, -1) for dest in dests]
 
         def finish() -> None:
-            work.wait()
+            wait_work(work, self.group, stamp)
             frames = output.view(world_size, frame)
             if stamp is not None:
                 stamp.verify_bytes(frames[:, data_bytes:], self.group)

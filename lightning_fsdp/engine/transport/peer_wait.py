@@ -28,12 +28,15 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.distributed import ProcessGroup
+
+from lightning_fsdp.engine.transport.whereabouts import Waiting, failure_of
 
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 YIELD_S = 1e-3  # wall time spent yielding between reads before sleeping between them
 SLEEP_FRACTION = 0.05  # of the time waited so far
 MAX_SLEEP_S = 2e-3
-LIVENESS_EVERY_S = 1.0
+LIVENESS_EVERY_S = 0.5
 
 
 class PeerExitedError(RuntimeError):
@@ -55,36 +58,54 @@ def process_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def wait_until(ready: Callable[[], bool], waiting_on: dict[int, int], what: str, timeout_s: float) -> None:
-    """Return once ``ready()``; ``waiting_on`` maps each rank this may wait for to its pid.
+def wait_until(
+    ready: Callable[[], bool],
+    waiting_on: dict[int, int],
+    what: str,
+    timeout_s: float,
+    where: Callable[[], Waiting] | None = None,
+    group: ProcessGroup | None = None,
+) -> None:
+    """Return once ``ready()``; ``waiting_on`` maps each rank this may wait for (of ``group``) to its pid.
 
-    Raises ``PeerExitedError`` when one of them has exited, and ``TimeoutError`` after ``timeout_s``.
+    Raises ``PeerExitedError`` when one of them has exited, ``TimeoutError`` after ``timeout_s``, and, once the
+    wait is long, what ``where()``'s checks raise: see [Note: every wait knows where its peers are] in
+    ``whereabouts.py``.
     """
     if ready():
         return
     start = time.monotonic()
     next_check = start + LIVENESS_EVERY_S
-    while not ready():
-        now = time.monotonic()
-        if now - start < YIELD_S:
-            time.sleep(0)  # yields the core
-            continue
-        if now >= next_check:
-            next_check = now + LIVENESS_EVERY_S
-            _check_alive(waiting_on, what)
-            if now - start > timeout_s:
-                raise TimeoutError(
-                    f"Timed out after {timeout_s:.0f} s waiting for ranks {sorted(waiting_on)} in {what}: they are "
-                    "alive but never got there; every rank must run the same units in the same order (or raise the "
-                    "process group's timeout)."
-                )
-        time.sleep(min((now - start) * SLEEP_FRACTION, MAX_SLEEP_S))
+    waiting: Waiting | None = None
+    try:
+        while not ready():
+            now = time.monotonic()
+            if now - start < YIELD_S:
+                time.sleep(0)  # yields the core
+                continue
+            if now >= next_check:
+                next_check = now + LIVENESS_EVERY_S
+                _check_alive(waiting_on, what, group)
+                if where is not None:
+                    waiting = waiting or where()
+                    waiting.tick()
+                if now - start > timeout_s:
+                    raise TimeoutError(
+                        f"Timed out after {timeout_s:.0f} s waiting for ranks {sorted(waiting_on)} in {what}: they "
+                        "are alive but never got there; every rank must run the same units in the same order (or "
+                        "raise the process group's timeout)."
+                    )
+            time.sleep(min((now - start) * SLEEP_FRACTION, MAX_SLEEP_S))
+    finally:
+        if waiting is not None:
+            waiting.done()
 
 
-def _check_alive(waiting_on: dict[int, int], what: str) -> None:
+def _check_alive(waiting_on: dict[int, int], what: str, group: ProcessGroup | None) -> None:
     for rank, pid in waiting_on.items():
         if not process_alive(pid):
+            said = failure_of(group, rank)
+            why = f" It raised: {said}" if said else " Its own error is in its log."
             raise PeerExitedError(
-                f"rank {rank} (pid {pid}) exited while this rank waited for it in {what}; its own error is in its "
-                "log, this rank stops too."
+                f"rank {rank} (pid {pid}) exited while this rank waited for it in {what}; this rank stops too.{why}"
             )

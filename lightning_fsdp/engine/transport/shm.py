@@ -79,6 +79,7 @@ from lightning_fsdp.engine.transport.base import (
 from lightning_fsdp.engine.transport.gloo import GlooTransport
 from lightning_fsdp.engine.transport.ledger import STAMP_NUMEL, CollectiveMismatchError, Stamp
 from lightning_fsdp.engine.transport.peer_wait import ORDERED_STORES, int64_words, wait_until
+from lightning_fsdp.engine.transport.whereabouts import Waiting, place_of
 
 ENV_SWITCH = "LIGHTNING_FSDP_SHARED_MEMORY"
 SEGMENT_NAME = "lightning_fsdp"  # how the segments show in /proc/<pid>/maps: "/memfd:lightning_fsdp-<pid> (deleted)"
@@ -325,7 +326,8 @@ class SharedMemoryTransport(Transport):
                 done = False
             return done
 
-        wait_until(arrived, self.peers, what, self.timeout_s)
+        where = lambda: Waiting(place_of(stamp, what), self.group)  # noqa: E731 -- built only for a long wait
+        wait_until(arrived, self.peers, what, self.timeout_s, where, self.group)
 
     def _take(self, slots: SlotSet, nbytes: int, stamp: Stamp | None) -> tuple[int, int] | None:
         """A free slot for the next collective and the sequence number of this use; None: use gloo instead.

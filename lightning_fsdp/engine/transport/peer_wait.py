@@ -105,7 +105,12 @@ def _check_alive(waiting_on: dict[int, int], what: str, group: ProcessGroup | No
     for rank, pid in waiting_on.items():
         if not process_alive(pid):
             said = failure_of(group, rank)
-            why = f" It raised: {said}" if said else " Its own error is in its log."
+            if said:
+                raise PeerExitedError(
+                    f"rank {rank} (pid {pid}) exited while this rank waited for it in {what}; this rank stops too. "
+                    f"It raised: {said}"
+                )
             raise PeerExitedError(
-                f"rank {rank} (pid {pid}) exited while this rank waited for it in {what}; this rank stops too.{why}"
+                f"rank {rank} (pid {pid}) exited while this rank waited for it in {what}; this rank stops too. Its "
+                "own error is in its log."
             )

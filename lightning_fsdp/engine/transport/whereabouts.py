@@ -158,12 +158,13 @@ class Waiting:
                 # rather than the bare one of a collective broken by this rank's exit.
                 time.sleep(CHECK_EVERY_S * 1.5)
                 self.done()
+                mine, theirs = f"{self.place}{_during(STATE.phase)}", f"{entry['place']}{_during(entry['phase'])}"
                 raise _posted(
                     PeerElsewhereError(
-                        f"rank {me} waits for rank {rank} in {self.place}{_during(STATE.phase)}, but rank {rank} waits "
-                        f"in {entry['place']}{_during(entry['phase'])}: neither can finish. Ranks must run the same "
-                        "collectives in the same order; where their data ends at different points give every rank the "
-                        "same number of batches (Lightning's distributed sampler, drop_last, or equal per-rank shards)."
+                        f"rank {me} waits for rank {rank} in {mine}, but rank {rank} waits in {theirs}: neither can "
+                        "finish. Ranks must run the same collectives in the same order; where their data ends at "
+                        "different points give every rank the same number of batches (Lightning's distributed "
+                        "sampler, drop_last, or equal per-rank shards)."
                     )
                 )
 

@@ -4,11 +4,13 @@
     python benchmarks/bench_signals.py --n-layer 2 --n-embd 64 --n-head 2 --rounds 1 --steps 3   # a smoke test
 
 Under ``Trainer(strategy=FSDPStrategy(auto_wrap_policy={Block}))`` every training batch ends with the ranks agreeing
-on the signals any of them received: one all-reduce of ``world_size + 1`` integers, issued in the background and read
-a batch later (see [Note: agreement a batch late]). Two numbers say what it costs:
+on the signals any of them received: one all-reduce of ``world_size + 1`` integers, issued in the background before
+the batch's optimizer step and waited for at its end, so that a signal is acted on at the end of the batch it arrived
+in (see [Note: agreement behind the optimizer step]). Two numbers say what it costs:
 
-- "agreement": the time each step spends in ``DeferredSignals._agree`` (timed from outside: issuing this batch's
-  all-reduce, waiting for the last one's), the larger rank's.
+- "agreement": the time each step spends in ``DeferredSignals._send`` (issuing the all-reduce, at
+  ``on_before_optimizer_step``) and ``DeferredSignals._agree`` (waiting for it at the batch end: what of the round
+  trip the optimizer step did not cover), timed from outside, each the larger rank's; their sum a step.
 - "step time with / without": the same fit with the agreement and without it (``DeferredSignals.remove()`` at the
   first batch), interleaved in the same two processes round by round so that the shared machine's noise hits both;
   a step is the time from one ``on_train_batch_start`` to the next, the first ``--warmup`` left out.
@@ -41,7 +43,7 @@ from lightning_fsdp.demos.gpt import Block
 from lightning_fsdp.demos.lit_gpt import LitGPT
 from lightning_fsdp.runtime.launch import free_port
 from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
-from lightning_fsdp.trainer.preemption import DeferredSignals
+from lightning_fsdp.trainer.preemption import Agreement, DeferredSignals
 
 VARIANTS = ("with", "without")
 
@@ -65,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class StepClock(Callback):
     """Batch-start times, and the time spent agreeing; ``without`` takes the agreement out at the first batch."""
 
-    def __init__(self, without: bool, agree_times: list[float]) -> None:
+    def __init__(self, without: bool, agree_times: dict[str, list[float]]) -> None:
         self.without = without
         self.starts: list[float] = []
         self.agree_times = agree_times
@@ -78,32 +80,42 @@ class StepClock(Callback):
         self.starts.append(time.perf_counter())
 
 
-def timed_agreements(agree_times: list[float]) -> None:
-    """Time every ``DeferredSignals._agree`` call of this process into ``agree_times``."""
-    agree = DeferredSignals._agree
+def timed_agreements(agree_times: dict[str, list[float]]) -> None:
+    """Time every ``DeferredSignals._send`` and ``_agree`` call of this process into ``agree_times["send"]`` and
+    ``agree_times["wait"]``."""
+    send, agree = DeferredSignals._send, DeferredSignals._agree
 
-    def timed(self: DeferredSignals, wait_for_all: bool) -> tuple[bool, list[int]]:
+    def timed_send(self: DeferredSignals) -> Agreement:
         start = time.perf_counter()
         try:
-            return agree(self, wait_for_all)
+            return send(self)
         finally:
-            agree_times.append(time.perf_counter() - start)
+            agree_times["send"].append(time.perf_counter() - start)
 
-    DeferredSignals._agree = timed  # type: ignore[method-assign]
+    def timed_agree(self: DeferredSignals, agreement: Agreement) -> tuple[bool, list[int]]:
+        start = time.perf_counter()
+        try:
+            return agree(self, agreement)
+        finally:
+            agree_times["wait"].append(time.perf_counter() - start)
+
+    DeferredSignals._send = timed_send  # type: ignore[method-assign]
+    DeferredSignals._agree = timed_agree  # type: ignore[method-assign]
 
 
 def run_rank(args: argparse.Namespace) -> None:
     """Fit ``rounds`` x (with, without); rank 0 writes every rank's numbers to ``args.out``."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    agree_times: list[float] = []
+    agree_times: dict[str, list[float]] = {"send": [], "wait": []}
     timed_agreements(agree_times)
     records: list[dict[str, Any]] = []
     for round_index in range(args.rounds):
         for variant in VARIANTS:
             seed_everything(0, verbose=False)
             clock = StepClock(variant == "without", agree_times)
-            agree_times.clear()
+            for times in agree_times.values():
+                times.clear()
             trainer = Trainer(
                 accelerator="cpu",
                 devices=2,
@@ -126,7 +138,8 @@ def run_rank(args: argparse.Namespace) -> None:
                     "round": round_index,
                     "variant": variant,
                     "steps_s": steps,
-                    "agree_s": agree_times[args.warmup : args.warmup + args.steps],
+                    "send_s": agree_times["send"][args.warmup : args.warmup + args.steps],
+                    "wait_s": agree_times["wait"][args.warmup : args.warmup + args.steps],
                 }
             )
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -140,10 +153,13 @@ def summarize(gathered: list[list[dict[str, Any]]], rounds: int) -> dict[str, An
     per_round: dict[int, dict[str, dict[str, float]]] = {}
     for run in zip(*gathered, strict=True):  # the same fit on every rank
         steps = [max(times) for times in zip(*(r["steps_s"] for r in run), strict=True)]
-        agree = [max(times) for times in zip(*(r["agree_s"] for r in run), strict=False)]
+        send = [max(times) for times in zip(*(r["send_s"] for r in run), strict=False)]
+        wait = [max(times) for times in zip(*(r["wait_s"] for r in run), strict=False)]
         per_round.setdefault(run[0]["round"], {})[run[0]["variant"]] = {
             "step_s": statistics.median(steps),
-            "agree_s": statistics.median(agree) if agree else 0.0,
+            "send_s": statistics.median(send) if send else 0.0,
+            "wait_s": statistics.median(wait) if wait else 0.0,
+            "agree_s": statistics.median([a + b for a, b in zip(send, wait, strict=False)]) if send else 0.0,
         }
     ratios = [per_round[r]["with"]["step_s"] / per_round[r]["without"]["step_s"] for r in range(rounds)]
     return {
@@ -151,6 +167,8 @@ def summarize(gathered: list[list[dict[str, Any]]], rounds: int) -> dict[str, An
         "step_with_s": statistics.median(per_round[r]["with"]["step_s"] for r in range(rounds)),
         "step_without_s": statistics.median(per_round[r]["without"]["step_s"] for r in range(rounds)),
         "agree_s": statistics.median(per_round[r]["with"]["agree_s"] for r in range(rounds)),
+        "send_s": statistics.median(per_round[r]["with"]["send_s"] for r in range(rounds)),
+        "wait_s": statistics.median(per_round[r]["with"]["wait_s"] for r in range(rounds)),
         "ratio_median": statistics.median(ratios),
         "ratio_range": (min(ratios), max(ratios)),
     }
@@ -182,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         f"without {summary['step_without_s'] * 1e3:.1f} ms (paired ratio {summary['ratio_median']:.4f}, "
         f"range {low:.4f}-{high:.4f} over {args.rounds} rounds); "
         f"the agreement itself {summary['agree_s'] * 1e6:.0f} us a step "
-        f"({summary['agree_s'] / summary['step_with_s'] * 100:.3f}% of the step)"
+        f"(issuing {summary['send_s'] * 1e6:.0f} us, waiting at the batch end {summary['wait_s'] * 1e6:.0f} us; "
+        f"{summary['agree_s'] / summary['step_with_s'] * 100:.3f}% of the step)"
     )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), **summary}, indent=2))

@@ -1,5 +1,7 @@
 """Signals delivered inside ``training_step`` under SLURM's auto-requeue (tests/scripts/preemption.py): the requeue
-signal's HPC checkpoint is written at the step's end on every rank, the requeue goes ahead, and the resumed run ends
+signal's HPC checkpoint is written at the end of the batch it arrived in, on every rank (at the next batch's end when
+it lands inside the optimizer step; with gradient accumulation, manual optimization, at the end of training), the
+requeue goes ahead, and the resumed run ends
 where an uninterrupted one did; a SIGTERM to one rank ends both within seconds, not after the group's timeout.
 
 Both ranks are started here with SLURM's variables, as ``srun`` would start them; ``scontrol`` is a script on PATH
@@ -75,7 +77,8 @@ def _wait(ranks: list[subprocess.Popen]) -> tuple[list[str], list[float]]:
 
 
 def _global_step(checkpoint: Path) -> int:
-    return torch.load(checkpoint, weights_only=True)["global_step"]
+    """The step a checkpoint was saved after: a full file's, or a sharded folder's ``meta.pt``."""
+    return torch.load(checkpoint / "meta.pt" if checkpoint.is_dir() else checkpoint, weights_only=True)["global_step"]
 
 
 def _close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], label: str) -> None:
@@ -91,13 +94,21 @@ def test_a_requeue_signal_inside_a_step_saves_at_its_end_on_every_rank_and_resum
     outputs, _ = _wait(ranks)
     for rank, (process, output) in enumerate(zip(ranks, outputs, strict=True)):
         assert process.returncode == 0, f"rank {rank} exited with {process.returncode}:\n{output[-5000:]}"
-    # One requeue per signalled step, from rank 0 only, for the job the variables name.
-    assert (tmp_path / "scontrol.log").read_text().splitlines() == [f"requeue {JOB_ID}"] * 4
+    # One requeue per batch end that acted, from rank 0 only, for the job the variables name.
+    assert (tmp_path / "scontrol.log").read_text().splitlines() == [f"requeue {JOB_ID}"] * 7
     assert (tmp_path / "one_rank" / "hpc_ckpt_1.ckpt").is_file()
     assert (tmp_path / "both_ranks" / "hpc_ckpt_1.ckpt" / "meta.pt").is_file()  # sharded: a folder
-    # Ranks signalled in steps 1 and 4: each acted on by both ranks a batch later.
-    apart = sorted((tmp_path / "apart").glob("hpc_ckpt_*.ckpt"))
-    assert [_global_step(path) for path in apart] == [2, 5]
+    # The step of each HPC checkpoint (see tests/scripts/preemption.py): a signal in training_step is acted on at the
+    # end of its own batch, one that lands after the flags were sent (inside the optimizer step) at the next batch's
+    # end, and one inside the last batch's optimizer step at the end of training.
+    acted = {"one_rank": [3], "both_ranks": [3], "apart": [1, 4, 6], "accumulated": [0, 2]}
+    for run, steps in acted.items():
+        assert [_global_step(path) for path in sorted((tmp_path / run).glob("hpc_ckpt_*.ckpt"))] == steps, run
+    # Manual optimization, with a recording handler in place of Lightning's: a checkpoint at the end of a manual
+    # optimization batch fails on its own today (the root unit is still gathered there: its optimizer state is
+    # keyed by shards the module does not show), which is not what this checks.
+    acted_manually = sorted((tmp_path / "manual-acted.log").read_text().splitlines())
+    assert acted_manually == ["0 2", "0 5", "1 2", "1 5"], acted_manually
 
     straight = torch.load(tmp_path / "straight.pt", weights_only=True)
     for run in ("one_rank", "both_ranks"):
@@ -119,9 +130,9 @@ def test_a_sigterm_to_one_rank_inside_a_step_ends_every_rank_within_seconds(tmp_
     assert "left with SIGTERMException(143)" in outputs[1], report
     assert ranks[0].returncode == 1, report
     assert "PeerTerminatedError: rank 1 received SIGTERM" in outputs[0], report
-    assert "every rank stopped after step 3" in outputs[0], report  # signalled in step 2, acted on a batch later
+    assert "every rank stopped after step 2" in outputs[0], report  # signalled in step 2, acted on at its end
     # Every rank stops at the same point, so a save in on_exception (a collective) is written.
-    assert _global_step(tmp_path / "term" / "on_exception.ckpt") == 3, report
+    assert _global_step(tmp_path / "term" / "on_exception.ckpt") == 2, report
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,8 @@ import pytest
 import torch
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
+from lightning_fsdp.checkpoint.convert import convert
+from lightning_fsdp.checkpoint.full import NAMES_KEY, OWN_KEY
 from lightning_fsdp.demos.gpt import GPT
 from tests.engine_harness import ATOL, RTOL
 from tests.scripts.strategy_common import TINY, token_loader
@@ -54,13 +56,17 @@ def test_the_checkpoint_holds_the_full_model_and_optimizer_state(results: Path) 
         assert torch.equal(checkpoint["state_dict"][name], value), name
     unsharded(checkpoint["state_dict"])  # loads strictly into the unsharded model
 
-    # The optimizer state is Optimizer.state_dict()'s own positional format at full shapes (plus param_names),
-    # so a plain optimizer over the unsharded model -- what ddp or one device resumes with -- loads it as its own.
+    # The optimizer state is Optimizer.state_dict()'s own positional format and keys at full shapes (no
+    # param_names: the optimizer was built from parameters()), so a plain optimizer over the unsharded model -- what
+    # ddp or one device resumes with -- loads it as its own. Its positions are the parameters' order.
     (optimizer,) = checkpoint["optimizer_states"]
+    assert all("param_names" not in group for group in optimizer["param_groups"])
     model = unsharded(weights)
     full_shapes = dict(model.named_parameters())
-    names = [name for group in optimizer["param_groups"] for name in group["param_names"]]
-    assert {name.removeprefix("model.") for name in names} == set(full_shapes)
+    names = list(full_shapes)
+    assert len(names) == sum(len(group["params"]) for group in optimizer["param_groups"])
+    recorded = checkpoint[OWN_KEY][NAMES_KEY]  # what convert keys the positional state by, beside it
+    assert [name for group in recorded[0] for name in group] == [f"model.{name}" for name in names]
     for index, state in optimizer["state"].items():
         shape = full_shapes[names[index].removeprefix("model.")].shape
         assert state["exp_avg"].shape == shape and state["exp_avg_sq"].shape == shape, names[index]
@@ -68,6 +74,20 @@ def test_the_checkpoint_holds_the_full_model_and_optimizer_state(results: Path) 
     by_name = dict(model.named_parameters())
     plain = torch.optim.AdamW([by_name[name.removeprefix("model.")] for name in names])
     plain.load_state_dict(optimizer)
+
+
+def test_the_trainers_checkpoint_converts_to_a_folder_keyed_by_name(results: Path, tmp_path: Path) -> None:
+    convert(results / "straight.ckpt", tmp_path / "sharded", "sharded", quiet=True)
+    checkpoint = torch.load(results / "straight.ckpt", weights_only=False)
+    (positional,) = checkpoint["optimizer_states"]
+    names = [name for group in checkpoint[OWN_KEY][NAMES_KEY][0] for name in group]
+    convert(tmp_path / "sharded", tmp_path / "back.ckpt", "full", quiet=True)
+    back = torch.load(tmp_path / "back.ckpt", weights_only=False)
+    (round_trip,) = back["optimizer_states"]
+    assert [name for group in round_trip["param_groups"] for name in group["param_names"]] == names
+    for index, values in positional["state"].items():
+        for key, value in values.items():
+            assert torch.equal(round_trip["state"][index][key], value), f"{names[index]}.{key}"
 
 
 def test_resuming_from_a_checkpoint_lands_where_the_straight_run_did(results: Path) -> None:

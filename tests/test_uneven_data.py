@@ -13,16 +13,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
+from lightning import Trainer
 from torch.utils.data import DataLoader
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.gpt import Block
 from lightning_fsdp.engine.transport.shm import ENV_SWITCH as SHARED_MEMORY_SWITCH
+from lightning_fsdp.trainer.preemption import STUCK_WAIT_S
 from tests.distributed import run_distributed
-from tests.scripts.strategy_common import TINY, LitGPT
+from tests.scripts.strategy_common import TINY, LitGPT, make_trainer
 
 BATCH = 2
 SLOW_S, SIGNAL_AFTER_S = 8.0, 1.5
@@ -36,18 +37,8 @@ def _tokens(batches: int, seed: int) -> DataLoader:
     return DataLoader(data, batch_size=BATCH)
 
 
-def _trainer(strategy: Any, **kwargs: Any) -> L.Trainer:
-    options = {
-        "accelerator": "cpu",
-        "devices": 2,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "num_sanity_val_steps": 0,
-        "use_distributed_sampler": False,  # each rank its own data, as with per-rank shards
-    }
-    return L.Trainer(strategy=strategy, **{**options, **kwargs})
+def _trainer(strategy: Any, **kwargs: Any) -> Trainer:
+    return make_trainer(strategy, use_distributed_sampler=False, **kwargs)  # each rank its own data, as with shards
 
 
 def _strategy(name: str) -> Any:
@@ -119,15 +110,22 @@ class _BarrierOnOneRank(LitGPT):
 
 
 class _SlowRankOne(LitGPT):
-    """Rank 1 computes for ``SLOW_S`` before its first validation forward; rank 0 waits for it in the gathers and
-    gets SIGTERM (from a timer thread of its own) while it waits."""
+    """Rank 1 computes for ``SLOW_S`` before its first validation (or training) forward; rank 0 waits for it in the
+    gathers and gets SIGTERM (from a timer thread of its own) while it waits."""
 
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+    def _first_batch(self, batch_idx: int) -> None:
         if batch_idx == 0 and self.global_rank == 1:
             time.sleep(SLOW_S)
         elif batch_idx == 0:
             threading.Timer(SIGNAL_AFTER_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self._first_batch(batch_idx)
         super().validation_step(batch, batch_idx)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self._first_batch(batch_idx)
+        return super().training_step(batch, batch_idx)
 
 
 def _stuck(rank: int, world_size: int, out: str, case: str) -> None:
@@ -136,6 +134,9 @@ def _stuck(rank: int, world_size: int, out: str, case: str) -> None:
     try:
         if case == "training":  # 3 training batches on rank 0, 2 on rank 1
             _trainer(_strategy("myfsdp"), max_epochs=2).fit(_model(), _tokens(3 - rank, seed=30 + rank))
+        elif case == "sigterm-fit":
+            torch.manual_seed(0)
+            _trainer(_strategy("myfsdp"), max_steps=2).fit(_SlowRankOne(), _tokens(2, seed=50 + rank))
         else:
             torch.manual_seed(0)
             model = _BarrierOnOneRank() if case == "barrier" else _SlowRankOne()
@@ -184,5 +185,16 @@ def test_sigterm_ends_a_rank_that_waits_within_seconds(tmp_path: Path) -> None:
     ranks = _run_stuck(tmp_path, "sigterm")
     assert ranks[0]["error"] == "SIGTERMException", ranks
     assert ranks[0]["seconds"] < SIGNAL_AFTER_S + 3.0, ranks  # Trainer set-up and the wait's next check included
+    assert ranks[1]["error"] == "PeerExitedError", ranks
+    assert ranks[1]["seconds"] < SLOW_S + WITHIN_S, ranks
+
+
+def test_sigterm_during_fit_ends_a_rank_that_waits_within_seconds(tmp_path: Path) -> None:
+    """The same inside ``fit``, where a signal is otherwise acted on at the batch end by every rank together: rank 0
+    never gets there, so its wait, once it has lasted ``STUCK_WAIT_S``, raises (see [Note: SIGTERM in a wait that
+    does not end])."""
+    ranks = _run_stuck(tmp_path, "sigterm-fit")
+    assert ranks[0]["error"] == "SIGTERMException", ranks
+    assert ranks[0]["seconds"] < SIGNAL_AFTER_S + STUCK_WAIT_S + 3.0, ranks
     assert ranks[1]["error"] == "PeerExitedError", ranks
     assert ranks[1]["seconds"] < SLOW_S + WITHIN_S, ranks

@@ -21,7 +21,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from lightning_fsdp.checkpoint.atomic import atomic_directory, tensor_bytes, write_file_atomically
 from lightning_fsdp.checkpoint.callback_tensors import SAVED_UNDER, fold_callback_tensors, merge_callback_tensors
 from lightning_fsdp.checkpoint.destination import refusal_to_replace
-from lightning_fsdp.checkpoint.full import as_trainer_layout, positional_optimizer_state, save_full_checkpoint
+from lightning_fsdp.checkpoint.full import (
+    NAMES_KEY,
+    OWN_KEY,
+    as_trainer_layout,
+    positional_optimizer_state,
+    recorded_optimizer_names,
+    save_full_checkpoint,
+)
 from lightning_fsdp.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, lightning_prefix, write_hf_folder
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.remote import staged_for_convert
@@ -217,21 +224,26 @@ def _full_to_sharded(checkpoint: dict[str, Any], src: Path, dst: Path) -> None:
     """A full checkpoint as a sharded folder any world size can load (written by this one process)."""
     state: dict[str, Any] = {"model": dict(_state_dict_of(checkpoint, src))}
     del checkpoint["state_dict"]
-    for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
-        groups = optimizer_state["param_groups"]
-        if any("param_names" not in group for group in groups):
+    for index, optimizer_state in enumerate(checkpoint.get("optimizer_states", [])):
+        by_group = recorded_optimizer_names(checkpoint, index)
+        if by_group is None:
             raise ValueError(
                 "this checkpoint's optimizer state does not record parameter names (it was not written by "
                 "lightning_fsdp), so it cannot be keyed by name; resume it with the strategy that wrote it."
             )
-        names = [name for group in groups for name in group["param_names"]]
+        names = [name for group_names in by_group for name in group_names]
         state[f"optimizer_{index}"] = {
             "state": {names[int(i)]: dict(s) for i, s in optimizer_state["state"].items()},
             "param_groups": [
-                {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": g["param_names"]}
-                for g in groups
+                {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": group_names}
+                for g, group_names in zip(optimizer_state["param_groups"], by_group, strict=True)
             ],
         }
+    checkpoint.pop("optimizer_states", None)
+    if isinstance(checkpoint.get(OWN_KEY), dict):  # the folder keys its state by name: no record to keep
+        checkpoint[OWN_KEY].pop(NAMES_KEY, None)
+        if not checkpoint[OWN_KEY]:
+            del checkpoint[OWN_KEY]
     with atomic_directory(dst, expected_bytes=tensor_bytes(state), collective=False) as tmp:
         dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
         torch.save(checkpoint, tmp / META_FILE)

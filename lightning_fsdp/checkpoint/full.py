@@ -1,8 +1,12 @@
 """The full form: whole tensors on rank 0, and optimizer state in ``Optimizer.state_dict()``'s own format.
 
 Optimizer state is positional (parameter ``i`` of the groups, in order), like every optimizer's own state dict,
-so a ddp or single-device run loads it as its own; each group also records ``param_names``, which ``convert``
-needs and ``Optimizer.load_state_dict`` accepts (it matches by position and keeps them as the groups' names).
+so a ddp or single-device run loads it as its own. ``full_optimizer_state`` (the engine's and Fabric's form) also
+records each group's ``param_names``, which ``convert`` needs and ``Optimizer.load_state_dict`` accepts (it matches by
+position and keeps them as the groups' names). The Trainer's ``optimizer_state`` is ``torch_optimizer_state``:
+exactly ``optimizer.state_dict()``'s keys, what ddp's gives and Lightning compares; the names ``convert`` needs then
+go beside it, under the file's own entry (``record_optimizer_names``). Files with ``param_names`` in their groups
+(written before, or by the engine or ``convert``) load as they always did.
 Gathering goes one state tensor at a time, so rank 0 holds the full state plus one tensor; loading slices each
 full tensor down to this rank's rows.
 
@@ -46,6 +50,9 @@ OWN_KEY = "lightning_fsdp"
 # Lightning's Fabric does; what our loaders need beside them (which key is the module, which are the optimizers, the
 # Lightning version) lies under this one private key. See ``as_trainer_layout``.
 FABRIC_KEY = "_lightning_fsdp"
+# Under OWN_KEY: per optimizer, per group, the names of its parameters in position order -- what ``convert`` keys a
+# positional optimizer state by when its groups do not carry ``param_names`` (see ``record_optimizer_names``).
+NAMES_KEY = "optimizer_param_names"
 VERSION_KEY = "pytorch-lightning_version"
 
 
@@ -216,6 +223,47 @@ def full_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, A
             }
         )
     return {"state": state, "param_groups": groups} if rank0 else {}
+
+
+def torch_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """``full_optimizer_state`` in exactly ``optimizer.state_dict()``'s layout, as ddp's ``optimizer_state`` gives it:
+    a group has ``param_names`` only where the optimizer's own group has them (an optimizer built from
+    ``named_parameters``), and then its own. On rank 0 (``{}`` elsewhere). A collective."""
+    state = full_optimizer_state(module, optimizer)
+    if not state:
+        return state
+    groups = []
+    for saved, live in zip(state["param_groups"], optimizer.param_groups, strict=True):
+        group = {key: value for key, value in saved.items() if key != "param_names"}
+        if "param_names" in live:
+            group["param_names"] = list(live["param_names"])
+        groups.append(group)
+    return {"state": state["state"], "param_groups": groups}
+
+
+def record_optimizer_names(checkpoint: dict[str, Any], module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
+    """Record in ``checkpoint``'s own entry which parameter each position of ``optimizers``' states is (per optimizer,
+    per group, in order): ``convert`` keys ``torch_optimizer_state``'s positional state by these names. Local."""
+    names = parameter_names(module)
+    recorded = [
+        [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups] for optimizer in optimizers
+    ]
+    checkpoint[OWN_KEY] = {**checkpoint.get(OWN_KEY, {}), NAMES_KEY: recorded}
+
+
+def recorded_optimizer_names(checkpoint: Mapping[str, Any], index: int) -> list[list[str]] | None:
+    """The names of optimizer ``index``'s parameters, per group, in position order: ``record_optimizer_names``' entry,
+    else its groups' ``param_names`` (``full_optimizer_state``, ``convert``, the Trainer's files before
+    ``torch_optimizer_state``); None where the file records neither (ddp's, one device's)."""
+    groups = checkpoint["optimizer_states"][index].get("param_groups", [])
+    entry = checkpoint.get(OWN_KEY)
+    recorded = entry.get(NAMES_KEY) if isinstance(entry, dict) else None
+    if isinstance(recorded, list) and index < len(recorded):
+        if [len(names) for names in recorded[index]] == [len(group["params"]) for group in groups]:
+            return [list(names) for names in recorded[index]]
+    if groups and all("param_names" in group for group in groups):
+        return [list(group["param_names"]) for group in groups]
+    return None
 
 
 def _full_value(value: Any, param: Tensor) -> Any:

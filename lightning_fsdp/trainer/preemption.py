@@ -20,17 +20,42 @@ too -- and then, all at the same step boundary:
   by SIGTERM), the others raise :class:`PeerTerminatedError` naming them. Callbacks' ``on_exception`` runs on every
   rank at the same point, so a save there (Lightning's ``OnExceptionCheckpoint``) is collective too.
 
-[Note: agreement a batch late] A blocking all-reduce at every batch end costs the step one round trip through the
-collective's backend: on a loaded CPU host a gloo round trip takes milliseconds (measured: 3.7 ms median, 16 ms p90 on
-2 ranks over 2 busy cores), the wait for the slower rank aside. So the flags of batch ``k`` are all-reduced in the
-background (``async_op=True``) while batch ``k + 1`` trains, and read at its end: the step pays only for issuing the
-collective, and every rank acts at the end of batch ``k + 1`` on the same result. A signal is therefore acted on at
-the end of the batch after the one it arrived in (``benchmarks/bench_signals.py`` measures what remains).
+[Note: agreement behind the optimizer step] A blocking all-reduce at every batch end costs the step one round trip
+through the collective's backend: on a loaded CPU host a gloo round trip takes milliseconds (measured: 3.7 ms median,
+16 ms p90 on 2 ranks over 2 busy cores), the wait for the slower rank aside. So each rank sends its flags late in the
+batch, in the background (``async_op=True``): at the batch's first ``on_before_optimizer_step``, after backward and
+before the optimizer updates the shards. It waits for the result at ``on_train_batch_end``, so the round trip runs
+while the optimizer steps (and the gradients are clipped, and zeroed), and every rank acts at the end of the batch
+the signal arrived in, on the same result. Exactly one flags all-reduce per batch on every rank, waited for at that
+batch's end, nothing in flight between batches:
 
-What this gives up: a signal still unread when training ends is acted on at ``on_train_end`` (the requeue, with one
-blocking all-reduce) or not at all (SIGTERM: training is done); Lightning's SIGTERM handler itself is not run (its
-in-handler broadcast is the hang), so neither is a SIGTERM handler installed before the Trainer's, which Lightning
-chains into it. Outside ``fit`` (``validate``, ``test``, ``predict``) Lightning's handlers run as they are.
+- A signal that lands after this rank sent its flags (inside the optimizer step, or in a manual-optimization
+  ``training_step`` after its first ``optimizer.step()``) stays recorded and goes with the next batch's flags: acted
+  on at the end of the next batch, never lost.
+- A batch without an optimizer step (the micro-batches of gradient accumulation before the last; a manual
+  optimization step that did not step) sends its flags at ``on_train_batch_end`` and waits for them there: one
+  blocking round trip on that batch, so it too acts on its own signals. (Were ranks ever to differ in whether a batch
+  stepped, each still issues its one all-reduce of the batch, at whichever point, and the two pair up.)
+- The end of training: a signal that landed after the last batch's flags were sent is agreed on at
+  ``on_train_end``, with one blocking all-reduce.
+
+``benchmarks/bench_signals.py`` measures the time left on the step: issuing the all-reduce, and the wait at the batch
+end for whatever of the round trip the optimizer step did not cover.
+
+[Note: SIGTERM in a wait that does not end] A rank that waits for a peer that never comes (stuck in its data
+loader, in a collective of its own, gone quiet) never reaches a batch end, so a SIGTERM it records would wait for the
+process group's timeout. So the handler also arms ``interrupt_waits`` (``engine/transport/whereabouts.py``): a wait
+of ours that has lasted ``STUCK_WAIT_S`` (or already had when the signal came) raises ``SIGTERMException`` (exit
+status 143), and the peers see this rank leave at their next wait and stop too (``PeerExitedError``). Waits shorter
+than that end as usual, so in a healthy step the signal is still acted on at the batch end by every rank together,
+where a save in ``on_exception`` can be collective. The batch-end agreement itself waits this way too. 3 s is far
+above a healthy wait here (a unit's gather, or a peer's skew within a step) and far below SLURM's ``KillWait``
+(30 s by default) between SIGTERM and SIGKILL.
+
+What this gives up: a signal still unread when training ends is acted on at ``on_train_end`` (the requeue) or not at
+all (SIGTERM: training is done); Lightning's SIGTERM handler itself is not run (its in-handler broadcast is the hang),
+so neither is a SIGTERM handler installed before the Trainer's, which Lightning chains into it. Outside ``fit``
+(``validate``, ``test``, ``predict``) Lightning's handlers run as they are.
 """
 
 from __future__ import annotations
@@ -41,7 +66,7 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -51,14 +76,35 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from lightning_fsdp.engine.transport.whereabouts import interrupt_waits, wait_work
+
 log = logging.getLogger(__name__)
 
 SIGTERM_EXIT_STATUS = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+STUCK_WAIT_S = 3.0  # a wait this long after a SIGTERM ends the rank: see [Note: SIGTERM in a wait that does not end]
 Handler = Callable[[int, FrameType | None], Any]
 
 
 class PeerTerminatedError(RuntimeError):
     """Another rank received SIGTERM; this rank stops at the same step boundary."""
+
+
+class Agreement(NamedTuple):
+    """One rank's flags in an all-reduce (MAX) over every rank: slot 0 the requeue signal, slot ``1 + r`` rank ``r``'s
+    SIGTERM. ``work`` is None where there is no peer (one process), or once the all-reduce is done."""
+
+    work: dist.Work | None
+    flags: torch.Tensor
+
+    def wait(self) -> tuple[bool, list[int]]:
+        """(whether any rank received the requeue signal, the ranks that received SIGTERM), the same on every rank.
+        On CPU the wait knows where its peers are and a SIGTERM ends it (see ``wait_work``)."""
+        if self.work is not None and self.flags.device.type == "cpu":
+            wait_work(self.work, None, what="the batch-end agreement on signals")
+        elif self.work is not None:
+            self.work.wait()
+        agreed = self.flags.tolist()
+        return bool(agreed[0]), [rank for rank, flag in enumerate(agreed[1:]) if flag]
 
 
 class DeferredSignals(Callback):
@@ -72,7 +118,7 @@ class DeferredSignals(Callback):
         self._requeue_signal = _requeue_signal(trainer)
         self._handlers: dict[int, Handler] = {}  # Lightning's handlers, run when every rank agrees
         self._received: set[int] = set()
-        self._in_flight: tuple[dist.Work, torch.Tensor] | None = None  # the last batch's flags, being all-reduced
+        self._in_flight: Agreement | None = None  # this batch's flags, sent before its optimizer step
 
     @classmethod
     def install(cls, trainer: pl.Trainer) -> DeferredSignals | None:
@@ -97,21 +143,36 @@ class DeferredSignals(Callback):
                 if signal.getsignal(signum) == self._record:
                     signal.signal(signum, handler)
         self._handlers = {}
+        self._in_flight = None  # a fit that raised between the send and the batch end: nothing acts on it any more
+        interrupt_waits(None)
         if self in self._trainer.callbacks:
             self._trainer.callbacks.remove(self)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        self._received.add(signum)  # nothing else here: this runs in the middle of whatever the main thread does
+        self._received.add(signum)  # little else here: this runs in the middle of whatever the main thread does
+        if signum == signal.SIGTERM:  # see [Note: SIGTERM in a wait that does not end]
+            interrupt_waits(SIGTERMException(SIGTERM_EXIT_STATUS), after_waiting_s=STUCK_WAIT_S)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        # The batch's first optimizer step (manual optimization may step several, LBFGS re-runs its closure): the
+        # round trip runs while the optimizer updates the shards. See [Note: agreement behind the optimizer step].
+        if self._in_flight is None:
+            self._in_flight = self._send()
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._act(*self._agree(wait_for_all=False), stop_on_sigterm=True)
+        self._act(*self._agree(self._sent()), stop_on_sigterm=True)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._act(*self._agree(wait_for_all=True), stop_on_sigterm=False)  # training is done: nothing left to stop
+        # What landed after the last batch's flags were sent: one blocking all-reduce. Training is done, so a
+        # SIGTERM has nothing left to stop.
+        self._act(*self._agree(self._sent()), stop_on_sigterm=False)
         self.remove()
 
     def _act(self, requeue: bool, terminated: list[int], stop_on_sigterm: bool) -> None:
@@ -123,32 +184,26 @@ class DeferredSignals(Callback):
         if terminated and stop_on_sigterm:
             self._stop(terminated)
 
-    def _agree(self, wait_for_all: bool) -> tuple[bool, list[int]]:
-        """(whether any rank received the requeue signal, the ranks that received SIGTERM), the same on every rank.
+    def _sent(self) -> Agreement:
+        """This batch's agreement, taken out: the one its optimizer step sent, else sent now (no step: the caller's
+        wait is a blocking round trip)."""
+        agreement, self._in_flight = self._in_flight or self._send(), None
+        return agreement
 
-        See [Note: agreement a batch late]. Slot 0 holds the requeue flag, slot 1 + r rank r's SIGTERM. With
-        ``wait_for_all``, this batch's flags count too (the end of training, where no batch follows).
-        """
-        requeue = self._take(self._requeue_signal)
-        terminated = self._take(signal.SIGTERM)
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return requeue, [0] if terminated else []
-        flags = [0] * (dist.get_world_size() + 1)
-        flags[0] = int(requeue)
-        flags[1 + dist.get_rank()] = int(terminated)
+    def _send(self) -> Agreement:
+        """Issue the all-reduce of the signals this rank received since its last send, in the background."""
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        flags = [0] * (world_size + 1)
+        flags[0] = int(self._take(self._requeue_signal))
+        flags[1 + (dist.get_rank() if world_size > 1 else 0)] = int(self._take(signal.SIGTERM))
         local = torch.tensor(flags, dtype=torch.int32, device=self._trainer.strategy.root_device)
-        agreed = [0] * len(flags)
-        if self._in_flight is not None:
-            work, previous = self._in_flight
-            self._in_flight = None
-            work.wait()
-            agreed = previous.tolist()
-        if wait_for_all:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX)
-            agreed = [max(pair) for pair in zip(agreed, local.tolist(), strict=True)]
-        else:
-            self._in_flight = (dist.all_reduce(local, op=dist.ReduceOp.MAX, async_op=True), local)
-        return bool(agreed[0]), [rank for rank, flag in enumerate(agreed[1:]) if flag]
+        if world_size == 1:
+            return Agreement(None, local)
+        return Agreement(dist.all_reduce(local, op=dist.ReduceOp.MAX, async_op=True), local)
+
+    def _agree(self, agreement: Agreement) -> tuple[bool, list[int]]:
+        """Wait for ``agreement``: what every rank acts on (a method of its own so a benchmark can time the wait)."""
+        return agreement.wait()
 
     def _take(self, signum: int | None) -> bool:
         if signum is None or signum not in self._received:

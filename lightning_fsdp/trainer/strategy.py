@@ -61,7 +61,12 @@ from lightning_fsdp.checkpoint.callback_tensors import (
     gather_callback_tensors,
     pop_callback_tensors,
 )
-from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_checkpoint, mark_trainable_only
+from lightning_fsdp.checkpoint.full import (
+    load_full_checkpoint,
+    mark_trainable_only,
+    record_optimizer_names,
+    torch_optimizer_state,
+)
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.remote import remote_kind, remote_refusal, remove_remote
 from lightning_fsdp.checkpoint.remote_last import resolve_remote_last
@@ -419,9 +424,12 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The full form: ``optimizer.state_dict()``'s own layout and keys at full shapes, on rank 0 (``{}`` elsewhere),
+        what ddp's ``optimizer_state`` gives. The sharded form: keyed by parameter name, per-row tensors as DTensors,
+        as Lightning's FSDP gives it. A collective."""
         if self.state_dict_type == "sharded":
             return sharded_optimizer_state_dict(self._module(), optimizer)
-        return full_optimizer_state(self._module(), optimizer)
+        return torch_optimizer_state(self._module(), optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -449,6 +457,8 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             save_sharded(filepath, state, checkpoint, self._storage_options(storage_options))
             return
         gather_callback_tensors(checkpoint)
+        if self.is_global_zero and "optimizer_states" in checkpoint:  # what `convert` keys the positional state by
+            record_optimizer_names(checkpoint, self._module(), self.optimizers)
         if self._saves_in_background():
             self._background_saver().wait()  # the previous write's failure comes first
         refusal = None

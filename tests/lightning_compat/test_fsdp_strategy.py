@@ -50,6 +50,7 @@ TRAINER_CASES = [
     "save_sharded_and_consolidate_and_load",
     "float_input_bf16-mixed",
     "float_input_16-mixed",
+    "optimizer_state_layout_and_files_with_param_names",
 ]
 
 

@@ -26,8 +26,10 @@ checks then name it; the rank itself is freed when they raise and its collective
 Waiting on gloo goes through ``wait_work``, which wakes every ``POLL_S`` (``Work.wait`` with a timeout leaves the
 work in flight) to run the same checks. Every long wait (past its first ``POLL_S`` on gloo, ``LIVENESS_EVERY_S`` on
 shared memory) also raises what ``interrupt_waits`` set: a signal handler cannot raise into a wait that blocks in C++
-or on a peer that never comes, so SIGTERM's handler sets the exception and the wait raises it. Short waits do not:
-a signal that arrives mid-step is still acted on at the batch end, by every rank together (``preemption.py``).
+or on a peer that never comes, so SIGTERM's handler sets the exception and the wait raises it. Outside ``fit`` any
+long wait does (``trainer/evaluation_signals.py``); during ``fit`` only one that has lasted ``STUCK_WAIT_S``, so that
+a signal that arrives in a healthy step is still acted on at the batch end, by every rank together (see [Note:
+SIGTERM in a wait that does not end] in ``trainer/preemption.py``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class PeerStoppedError(RuntimeError):
 class _State:
     phase: str | None = None  # what the loop is doing, set by the strategy at every step
     interrupt: BaseException | None = None  # raised by the next wait that checks (a signal arrived)
+    interrupt_after_s: float = 0.0  # ... once that wait has lasted this long
 
 
 STATE = _State()
@@ -75,14 +78,15 @@ def set_phase(phase: str | None) -> None:
     STATE.phase = phase
 
 
-def interrupt_waits(error: BaseException | None) -> None:
-    """Make every wait of this process raise ``error`` within ``POLL_S`` (a signal handler's way out)."""
-    STATE.interrupt = error
+def interrupt_waits(error: BaseException | None, after_waiting_s: float = 0.0) -> None:
+    """Make every long wait of this process raise ``error`` within ``POLL_S`` of having lasted ``after_waiting_s``
+    (a signal handler's way out); None takes it back."""
+    STATE.interrupt, STATE.interrupt_after_s = error, after_waiting_s
 
 
-def raise_if_interrupted() -> None:
+def raise_if_interrupted(waited_s: float) -> None:
     error = STATE.interrupt
-    if error is not None:
+    if error is not None and waited_s >= STATE.interrupt_after_s:
         STATE.interrupt = None
         raise error
 
@@ -106,12 +110,13 @@ class Waiting:
         self._peers = peers  # global ranks; None: every other rank of ``group``
         self.store = _store()
         self.posted = False
-        self.next_check = time.monotonic() + POST_AFTER_S
+        self.started = time.monotonic()
+        self.next_check = self.started + POST_AFTER_S
 
     def tick(self) -> None:
-        """Called between reads by a long wait: raises a pending interrupt at once, the peers' whereabouts when due."""
-        raise_if_interrupted()
+        """Called between reads by a long wait: raises a pending interrupt when due, the peers' whereabouts too."""
         now = time.monotonic()
+        raise_if_interrupted(now - self.started)
         if self.store is None or now < self.next_check:
             return
         self.next_check = now + CHECK_EVERY_S

@@ -24,8 +24,6 @@ pytest side (``test_fsdp_strategy.py``) asserts per case. Mechanical changes aga
   replaced) and must have read the file memory-mapped (``mmap=True``), our way of not holding a second copy.
 - ``self.layer`` (the Sequential) of ``TestFSDPModel`` is checked through its wrapped layers 0 and 2: with all its
   parameters in their units it has none left, and a unit without parameters is not made (deliberate).
-- Optimizer states compared with ``assert_close`` drop ``param_names`` first (strings, which ``assert_close`` cannot
-  compare); ours carry the names (deliberate: state keyed by name), which are compared with ``==`` when both have them.
 - ``test_set_timeout`` mocked ``init_process_group``; here the default group's timeout is read after setup.
 - ``test_activation_checkpointing`` checked torch's ``checkpoint_wrapper`` kwargs with mocks; here the modules of the
   policy's classes are the checkpointed ones after setup (``is_checkpointed``), the others not.
@@ -34,7 +32,10 @@ pytest side (``test_fsdp_strategy.py``) asserts per case. Mechanical changes aga
   ``_train_batchnorm`` seeds (our item: it compares two runs with each other).
 Additions beyond Lightning's file (our items): ``sync_batchnorm_matches_ddp`` (a BatchNorm model under
 ``sync_batchnorm=True`` against ddp with the same CPU-capable sync plugin, and ddp without it as the control), and
-``float_input_<precision>`` (a float-input model with LayerNorm and BatchNorm trains under bf16-mixed and 16-mixed).
+``float_input_<precision>`` (a float-input model with LayerNorm and BatchNorm trains under bf16-mixed and 16-mixed),
+``optimizer_state_layout_and_files_with_param_names`` (``optimizer_state`` has torch's keys, with an optimizer built
+from ``parameters()`` and from ``named_parameters()``; a checkpoint with ``param_names`` in its groups, as they were
+written before, resumes exactly).
 
 Usage: python tests/lightning_compat/scripts/fsdp_trainer_runs.py OUT_DIR [CASE ...]
 """
@@ -461,9 +462,8 @@ def _optimizer_round_trip(wrap_min_params: int, tmp_path: Path, save_with: str) 
             assert len(model_state_dict) == len(restored_model_state_dict)
             assert len(optimizer_state_dict) == len(restored_optimizer_state_dict)
             torch.testing.assert_close(model_state_dict, restored_model_state_dict, atol=0, rtol=0)
-            ours, theirs = _split_names(optimizer_state_dict), _split_names(restored_optimizer_state_dict)
-            torch.testing.assert_close(ours[0], theirs[0], atol=0, rtol=0)
-            assert None in (ours[1], theirs[1]) or ours[1] == theirs[1], (ours[1], theirs[1])
+            torch.testing.assert_close(optimizer_state_dict, restored_optimizer_state_dict, atol=0, rtol=0)
+            _assert_same_keys(optimizer_state_dict, restored_optimizer_state_dict)  # our item: the keys by name
         except AssertionError as error:
             failure = str(error)
     failure = trainer.strategy.broadcast(failure)  # every rank fails together, so the next case still runs
@@ -471,11 +471,15 @@ def _optimizer_round_trip(wrap_min_params: int, tmp_path: Path, save_with: str) 
         raise SymmetricFailure(failure)
 
 
-def _split_names(optimizer_state: dict[str, Any]) -> tuple[dict[str, Any], list[Any] | None]:
-    """The optimizer state without ``param_names``, and those names (None when a group has none)."""
-    groups = [dict(group) for group in optimizer_state["param_groups"]]
-    names = [group.pop("param_names", None) for group in groups]
-    return {**optimizer_state, "param_groups": groups}, None if None in names else names
+def _assert_same_keys(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """The same keys at the top, in every group and in every parameter's state (what ``assert_close`` compares too,
+    said by name)."""
+    assert ours.keys() == theirs.keys(), (list(ours), list(theirs))
+    assert [sorted(g) for g in ours["param_groups"]] == [sorted(g) for g in theirs["param_groups"]], (
+        [sorted(g) for g in ours["param_groups"]],
+        [sorted(g) for g in theirs["param_groups"]],
+    )
+    assert {i: sorted(s) for i, s in ours["state"].items()} == {i: sorted(s) for i, s in theirs["state"].items()}
 
 
 for _min_params in (2, 1024, 100000000):
@@ -485,6 +489,72 @@ for _min_params in (2, 1024, 100000000):
     CASES[f"strategy_load_optimizer_states_{_min_params}"] = partial(
         lambda n, tmp: _optimizer_round_trip(n, tmp, "ddp"), _min_params
     )
+
+
+class NamedParametersModel(TestFSDPModelAutoWrapped):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.named_parameters(), lr=0.1)
+
+
+@case
+def optimizer_state_layout_and_files_with_param_names(tmp_path: Path) -> None:
+    """Our item. ``optimizer_state``, and the checkpoint's optimizer state, have the keys ``optimizer.state_dict()``
+    has: no ``param_names`` unless the optimizer's groups have them (built from ``named_parameters``), then its own.
+    A checkpoint written before, with ``param_names`` in every group, resumes with the optimizer restored exactly."""
+
+    def trainer() -> Trainer:
+        strategy = FSDPStrategy(auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=2))
+        return Trainer(
+            default_root_dir=tmp_path, accelerator="cpu", devices=2, max_epochs=1, strategy=strategy, barebones=True
+        )
+
+    def on_rank0(first: Trainer, check: Callable[[], None]) -> None:
+        failure = None
+        if first.global_rank == 0:
+            try:
+                check()
+            except Exception as error:  # noqa: BLE001 -- any failure, raised on every rank below
+                failure = f"{type(error).__name__}: {error}"
+        failure = first.strategy.broadcast(failure)  # every rank fails together, so the next case still runs
+        if failure is not None:
+            raise SymmetricFailure(failure)
+
+    def keys(state: dict[str, Any]) -> list[list[str]]:
+        return [sorted(group) for group in state["param_groups"]]
+
+    for make in (TestFSDPModelAutoWrapped, NamedParametersModel):
+        model, first = make(), trainer()
+        first.fit(model)
+        path = first.strategy.broadcast(os.path.join(tmp_path, f"{make.__name__}.ckpt"))
+        old = os.path.join(tmp_path, f"{make.__name__}-old.ckpt")
+        first.save_checkpoint(path)
+        saved = first.strategy.optimizer_state(model.optimizers())
+        own = model.optimizers().optimizer.state_dict()  # torch's own, over this rank's shards
+
+        def check_and_write_old(saved=saved, own=own, model=model, path=path, old=old) -> None:
+            assert saved.keys() == own.keys() and keys(saved) == keys(own), (keys(saved), keys(own))
+            for ours, theirs in zip(saved["param_groups"], own["param_groups"], strict=True):
+                assert ours.get("param_names") == theirs.get("param_names")
+            checkpoint = torch.load(path, weights_only=False)
+            assert keys(checkpoint["optimizer_states"][0]) == keys(own)
+            names = [name for name, _ in model.named_parameters()]
+            for group in checkpoint["optimizer_states"][0]["param_groups"]:
+                group["param_names"] = [names[index] for index in group["params"]]  # as files had them before
+            torch.save(checkpoint, old)
+
+        on_rank0(first, check_and_write_old)
+        first.strategy.barrier()
+        model, second = make(), trainer()
+        second.fit(model, ckpt_path=old)
+        restored = second.strategy.optimizer_state(model.optimizers())
+
+        def check_restored(saved=saved, restored=restored) -> None:
+            _assert_same_keys(saved, restored)
+            names = [[group.pop("param_names", None) for group in s["param_groups"]] for s in (saved, restored)]
+            assert names[0] == names[1], names  # strings, which assert_close does not compare
+            torch.testing.assert_close(saved, restored, atol=0, rtol=0)
+
+        on_rank0(second, check_restored)
 
 
 @case

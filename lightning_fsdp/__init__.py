@@ -33,6 +33,7 @@ from lightning_fsdp.engine import (
     set_requires_gradient_sync,
     size_based_policy,
     summon_full_params,
+    uneven_batches,
 )
 from lightning_fsdp.old_paths import keep_old_paths_importable
 
@@ -88,4 +89,5 @@ __all__ = [
     "set_requires_gradient_sync",
     "size_based_policy",
     "summon_full_params",
+    "uneven_batches",
 ]

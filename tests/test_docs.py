@@ -46,6 +46,9 @@ EXCERPTED_FILES = {
     # The test imports the example and runs its parse_args and train() on 2 and 4 ranks of its own launch.
     "examples/fabric_loop.py": "tests/test_fabric.py::test_fabric_two_ranks",
     "configs/demo.yaml": "tests/test_cli_configs.py::test_demo_trains_and_reports_checkpoint_and_logs",
+    "tests/test_uneven_data.py": (
+        "tests/test_uneven_data.py::test_uneven_evaluation_under_fabric_finishes_with_ddps_values"
+    ),
     "configs/from_lightning_fsdp.yaml": "tests/test_cli_configs.py::test_accelerator_configs_run_on_two_cpu_processes",
     "configs/hybrid_multinode.yaml": "tests/test_cli_configs.py::test_accelerator_configs_run_on_two_cpu_processes",
 }

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from lightning import Trainer
+from lightning import Fabric, Trainer
 from torch.utils.data import DataLoader
 
-from lightning_fsdp import FSDPStrategy
-from lightning_fsdp.demos.gpt import Block
+from lightning_fsdp import FabricFSDPStrategy, FSDPStrategy, uneven_batches
+from lightning_fsdp.demos.gpt import GPT, Block
 from lightning_fsdp.engine.transport.shm import ENV_SWITCH as SHARED_MEMORY_SWITCH
 from lightning_fsdp.trainer.preemption import STUCK_WAIT_S
 from tests.distributed import run_distributed
@@ -41,8 +41,10 @@ def _trainer(strategy: Any, **kwargs: Any) -> Trainer:
     return make_trainer(strategy, use_distributed_sampler=False, **kwargs)  # each rank its own data, as with shards
 
 
-def _strategy(name: str) -> Any:
-    return FSDPStrategy(auto_wrap_policy={Block}) if name == "myfsdp" else "ddp"
+def _strategy(name: str, fabric: bool = False) -> Any:
+    if name != "myfsdp":
+        return "ddp"
+    return FabricFSDPStrategy(auto_wrap_policy={Block}) if fabric else FSDPStrategy(auto_wrap_policy={Block})
 
 
 def _model() -> LitGPT:
@@ -74,9 +76,25 @@ def _evaluations(rank: int, world_size: int, out: str) -> None:
             "predict": [p.sum().item() for p in predicted],
             "predict_batches": len(predicted),
             "fit_val_loss": float(trainer.callback_metrics["val_loss"]),
+            "fabric": _fabric_evaluation(strategy, evaluation),
             "seconds": time.monotonic() - started,
         }
     Path(out, f"evaluations_{rank}.json").write_text(json.dumps(results))
+
+
+def _fabric_evaluation(strategy: str, evaluation: DataLoader) -> dict[str, Any]:
+    """A hand-written Fabric evaluation loop through ``uneven_batches``: the mean loss over every rank's batches, and
+    this rank's own losses."""
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=_strategy(strategy, fabric=True))
+    fabric.launch()  # the test's ranks exist already (LOCAL_RANK is set)
+    torch.manual_seed(0)
+    model = fabric.setup(GPT(TINY))
+    losses = []
+    with torch.no_grad():
+        for batch in uneven_batches(model, fabric.setup_dataloaders(evaluation, use_distributed_sampler=False)):
+            losses.append(model(batch[:, :-1], batch[:, 1:]).item())
+    total = fabric.all_reduce(torch.tensor([sum(losses), len(losses)], dtype=torch.float64), reduce_op="sum")
+    return {"mean_loss": (total[0] / total[1]).item(), "losses": losses}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +109,15 @@ def evaluations(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_uneven_evaluation_finishes_with_ddps_values(evaluations: list[dict], transport: str, what: str) -> None:
     for rank, results in enumerate(evaluations):
         assert results[transport][what] == pytest.approx(results["ddp"][what], rel=1e-5), (rank, what)
+
+
+@pytest.mark.parametrize("transport", ["myfsdp", "myfsdp-gloo"])
+def test_uneven_evaluation_under_fabric_finishes_with_ddps_values(evaluations: list[dict], transport: str) -> None:
+    for rank, results in enumerate(evaluations):
+        ours, ddp = results[transport]["fabric"], results["ddp"]["fabric"]
+        assert len(ours["losses"]) == 3 - rank
+        assert ours["losses"] == pytest.approx(ddp["losses"], rel=1e-5), rank
+        assert ours["mean_loss"] == pytest.approx(ddp["mean_loss"], rel=1e-5), rank
 
 
 @pytest.mark.parametrize("transport", ["myfsdp", "myfsdp-gloo"])
@@ -134,6 +161,8 @@ def _stuck(rank: int, world_size: int, out: str, case: str) -> None:
     try:
         if case == "training":  # 3 training batches on rank 0, 2 on rank 1
             _trainer(_strategy("myfsdp"), max_epochs=2).fit(_model(), _tokens(3 - rank, seed=30 + rank))
+        elif case == "fabric-training":  # the same in a Fabric loop, which ends in a barrier
+            _fabric_training(_tokens(3 - rank, seed=30 + rank))
         elif case == "sigterm-fit":
             torch.manual_seed(0)
             _trainer(_strategy("myfsdp"), max_steps=2).fit(_SlowRankOne(), _tokens(2, seed=50 + rank))
@@ -146,6 +175,18 @@ def _stuck(rank: int, world_size: int, out: str, case: str) -> None:
     else:
         result = {"error": None, "seconds": time.monotonic() - started}
     Path(out, f"{case}_{rank}.json").write_text(json.dumps(result))
+
+
+def _fabric_training(batches: DataLoader) -> None:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=_strategy("myfsdp", fabric=True))
+    fabric.launch()
+    torch.manual_seed(0)
+    model, optimizer = fabric.setup(GPT(TINY), torch.optim.AdamW(GPT(TINY).parameters()))
+    for batch in batches:
+        fabric.backward(model(batch[:, :-1], batch[:, 1:]))
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.barrier("the end of training")
 
 
 def _run_stuck(tmp_path: Path, case: str) -> list[dict]:
@@ -165,6 +206,18 @@ def test_uneven_training_raises_on_every_rank_naming_the_rank_and_batch(tmp_path
         assert result["seconds"] < WITHIN_S, (rank, result)
         assert "after 2 batches" in result["message"], (rank, result)
         assert "same number of batches" in result["message"], (rank, result)
+
+
+def test_uneven_training_under_fabric_raises_on_every_rank_within_seconds(tmp_path: Path) -> None:
+    """Rank 1 ends its loop after 2 batches and enters a barrier while rank 0 gathers for its third: both raise,
+    naming the barrier, the gather and how far each got (the Fabric strategy counts optimizer steps)."""
+    ranks = _run_stuck(tmp_path, "fabric-training")
+    assert "PeerElsewhereError" in {result["error"] for result in ranks}, ranks
+    for rank, result in enumerate(ranks):
+        assert result["error"] in ("PeerElsewhereError", "PeerStoppedError", "PeerExitedError"), (rank, result)
+        assert result["seconds"] < WITHIN_S, (rank, result)
+        assert "barrier 'the end of training'" in result["message"], (rank, result)
+        assert "during training, 2 optimizer steps done" in result["message"], (rank, result)
 
 
 def test_a_rank_in_another_collective_is_named_within_seconds(tmp_path: Path) -> None:

@@ -10,18 +10,26 @@ collectives, their order, their stamps and their sizes are those of a real forwa
 the stamps still check that they are: a peer whose forward enters other units (a branch on the data) raises
 ``CollectiveMismatchError`` instead of reading the wrong unit's data.
 
-The caller decides how many forwards to serve (the strategy exchanges, before every evaluation batch, how many ranks
-still have one: ``trainer/uneven_data.py``). A rank that has run no evaluation forward yet serves the forward order of
+The caller decides how many forwards to serve: before every evaluation batch the ranks exchange how many of them
+still have one (the Trainer's strategy in ``trainer/uneven_data.py``; a loop of one's own, under Fabric or the engine
+alone, through ``uneven_batches``). A rank that has run no evaluation forward yet serves the forward order of
 training, or the units in the order they were registered.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_fsdp.engine.hooks import context_of, post_forward, pre_forward
 from lightning_fsdp.engine.registry import unit_of
+from lightning_fsdp.engine.transport.whereabouts import wait_work
+
+Batch = TypeVar("Batch")
 
 
 def serve_forward(module: nn.Module) -> None:
@@ -37,3 +45,42 @@ def serve_forward(module: nn.Module) -> None:
             pre_forward(unit, unit.module, (), {})
             post_forward(unit, unit.module, (), None)
         post_forward(root, root.module, (), None)
+
+
+def uneven_batches(model: nn.Module, batches: Iterable[Batch]) -> Iterator[Batch]:
+    """This rank's ``batches`` for an evaluation loop whose ranks may have different numbers of them (per-rank shards,
+    streaming data): when they run out here, this rank serves its peers' forwards of ``model`` (sends its shards, runs
+    nothing) until every rank's batches have run out, so the loop ends on every rank together, each with its own
+    batches' results, as under DDP. A collective per batch (one integer, all-reduced) and one at the end: every
+    rank must iterate it, with ``torch.no_grad()`` forwards of ``model``, one a batch. ``model`` is the module
+    ``fully_shard`` sharded, or a wrapper of it that holds it as ``.module`` (Fabric's); a module that is not sharded
+    has nothing to serve (DDP's forward needs no peer), so the same loop runs under any strategy. See [Note: serving
+    the peers' forward]."""
+    sharded = _sharded_root(model)
+    device = next(model.parameters(), torch.empty(0)).device
+    for batch in batches:
+        ranks_with_batch(1, device)
+        yield batch
+    while ranks_with_batch(0, device) > 0:
+        if sharded is not None:
+            serve_forward(sharded)
+
+
+def _sharded_root(model: nn.Module) -> nn.Module | None:
+    for candidate in (model, getattr(model, "module", None)):
+        if isinstance(candidate, nn.Module) and unit_of(candidate) is not None:
+            return candidate
+    return None
+
+
+def ranks_with_batch(has_batch: int, device: torch.device) -> int:
+    """How many ranks run an evaluation step now (this one says ``has_batch``): a collective over every rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return has_batch
+    flag = torch.tensor([has_batch], dtype=torch.int64, device=device)
+    work = dist.all_reduce(flag, async_op=True)
+    if device.type == "cpu":
+        wait_work(work, None, what="the count of ranks with an evaluation batch (uneven_batches)")
+    else:
+        work.wait()
+    return int(flag.item())

@@ -34,7 +34,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
-from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
@@ -50,6 +50,7 @@ from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.remote import remote_refusal
 from lightning_fsdp.engine import MixedPrecision, clip_grad_norm_, clip_grad_value_, no_sync
 from lightning_fsdp.engine.registry import unit_of
+from lightning_fsdp.engine.transport.whereabouts import set_phase
 from lightning_fsdp.fabric.checkpoint import (
     FabricState,
     load_into,
@@ -125,6 +126,7 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         self._sharded_modules: WeakSet[nn.Module] = WeakSet()
         # A parameter fully_shard replaced -> (its module, its name), to give an optimizer built before the shards.
         self._replaced = WeakIdKeyDictionary()
+        self._optimizer_steps = 0  # what a long wait says this rank was doing: see ``optimizer_step``
 
     # ----- precision and checkpoint plugins -------------------------------------------------------------------------
 
@@ -246,6 +248,16 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         return optimizer
 
     # ----- the step -------------------------------------------------------------------------------------------------
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        """The step, then the count of steps as this rank's phase: a Fabric loop has no loop state of its own for us
+        to read, and a rank that waits where a peer cannot come (its data ended sooner) then names how far each got
+        (see [Note: every wait knows where its peers are] in ``engine/transport/whereabouts.py``)."""
+        output = super().optimizer_step(optimizer, **kwargs)
+        self._optimizer_steps += 1
+        set_phase(f"training, {self._optimizer_steps} optimizer steps done")
+        return output
 
     @override
     def clip_gradients_norm(
@@ -381,6 +393,7 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         failure = self._background.close() if self._background is not None else None
+        set_phase(None)
         self.cluster_environment.teardown()
         self.precision.teardown()
         self.accelerator.teardown()

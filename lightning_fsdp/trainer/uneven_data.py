@@ -37,7 +37,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_fsdp.adapter import watched_collectives
-from lightning_fsdp.engine.serving import serve_forward
+from lightning_fsdp.engine.serving import ranks_with_batch, serve_forward
 from lightning_fsdp.engine.transport.whereabouts import set_phase
 
 
@@ -51,10 +51,10 @@ class UnevenData(Callback):
 
     def _step_coming(self, trainer: pl.Trainer) -> None:
         set_phase(None)
-        _ranks_with(1, trainer)
+        ranks_with_batch(1, trainer.strategy.root_device)
 
     def _serve_until_all_ended(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        while _ranks_with(0, trainer) > 0:
+        while ranks_with_batch(0, trainer.strategy.root_device) > 0:
             serve_forward(pl_module)
 
     def _step_done(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -117,11 +117,3 @@ class UnevenData(Callback):
                 "averaged over batches that do not correspond. Give every rank the same number of batches "
                 "(Lightning's distributed sampler, drop_last=True, equal per-rank shards, or limit_train_batches)."
             )
-
-
-def _ranks_with(has_batch: int, trainer: pl.Trainer) -> int:
-    """How many ranks run an evaluation step now (this one says ``has_batch``)."""
-    if not watched_collectives.available():
-        return has_batch
-    flag = torch.tensor([has_batch], dtype=torch.int64, device=trainer.strategy.root_device)
-    return int(watched_collectives.reduce(flag, None, "sum", what="count of ranks with an evaluation batch").item())

@@ -8,9 +8,9 @@ here (the strategies, the precision plugins, the EMA callback) is imported on fi
 
 The layout, one folder per layer: ``engine/`` (the FSDP engine, torch only; ``engine/transport/`` moves the bytes),
 ``adapter/`` (what the two Lightning adapters share), ``trainer/`` (the Trainer's strategy), ``fabric/`` (Fabric's),
-``checkpoint/`` (formats, safety, storage), ``averaging/`` (EMA), ``runtime/`` (processes), ``demos/`` (the demo
-GPT and data), ``cli.py`` with ``estimate.py`` (the command line). ``old_paths.py`` keeps the paths of the flat
-layout importable.
+``checkpoint/`` (formats, safety, storage), ``averaging/`` (EMA), ``monitor/`` (where a step and the memory go),
+``report/`` (the monitor's records as a page), ``runtime/`` (processes), ``demos/`` (the demo GPT and data),
+``cli.py`` with ``estimate.py`` (the command line). ``old_paths.py`` keeps the paths of the flat layout importable.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from lightning_fsdp.checkpoint.pretrained import load_pretrained
     from lightning_fsdp.estimate import estimate_memory
     from lightning_fsdp.fabric import FabricFSDPPrecision, FabricFSDPStrategy
+    from lightning_fsdp.monitor import FSDPMonitor
     from lightning_fsdp.trainer.precision import FSDPPrecision, ShardedGradScaler
     from lightning_fsdp.trainer.strategy import FSDPStrategy
 
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "FabricFSDPPrecision": "lightning_fsdp.fabric",
     "FabricFSDPStrategy": "lightning_fsdp.fabric",
+    "FSDPMonitor": "lightning_fsdp.monitor",
     "FSDPPrecision": "lightning_fsdp.trainer.precision",
     "FSDPStrategy": "lightning_fsdp.trainer.strategy",
     "ShardedEMA": "lightning_fsdp.averaging",
@@ -72,6 +74,7 @@ __all__ = [
     "CrossHostPrecision",
     "FabricFSDPPrecision",
     "FabricFSDPStrategy",
+    "FSDPMonitor",
     "FSDPPrecision",
     "FSDPStrategy",
     "MixedPrecision",

@@ -4,6 +4,7 @@
     lightning-fsdp fit --config configs/demo.yaml --model.n_layer 2 --trainer.max_steps 50
     lightning-fsdp convert SRC DST --to full|sharded|safetensors|hf  # offline, one process, no model code
     lightning-fsdp estimate --params 1.3e9 --world-size 8         # per-rank memory of each sharding strategy
+    lightning-fsdp report runs/demo/version_0                     # an HTML page from the FSDPMonitor's records
 
 Model and data are chosen by ``class_path`` (any LightningModule / LightningDataModule); without one they are
 ``LitGPT`` and ``CharDataModule``. ``trainer.strategy`` may be a registered name (``myfsdp``,
@@ -28,6 +29,9 @@ from lightning_fsdp.checkpoint.convert import FORMATS, convert
 from lightning_fsdp.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.estimate import main as estimate_main
+from lightning_fsdp.monitor import FSDPMonitor
+from lightning_fsdp.report import MONITOR_FILE, ReportError, write_report
+from lightning_fsdp.report import main as report_main
 from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 __all__ = ["LightningFSDPCLI", "convert_main", "main", "report_artifacts"]
@@ -37,7 +41,7 @@ DEFAULT_DATA = "lightning_fsdp.demos.datamodule.CharDataModule"
 
 
 class LightningFSDPCLI(LightningCLI):
-    """LightningCLI with the demo defaults, ending ``fit`` by saying where the checkpoint and logs are."""
+    """LightningCLI with the demo defaults, ending ``fit`` by saying where the checkpoint, logs and report are."""
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -49,9 +53,12 @@ class LightningFSDPCLI(LightningCLI):
 
 
 def report_artifacts(trainer: Trainer) -> None:
-    """Print, on rank 0, the checkpoint fit wrote last and the logger's folder: the run's last two lines.
+    """Print, on rank 0, the checkpoint fit wrote last and the logger's folder: the run's last lines.
 
-    Every rank must call it: ``trainer.log_dir`` is a broadcast from rank 0.
+    With an ``FSDPMonitor`` among the callbacks, the HTML report is written beside its records (its ``dirpath``,
+    by default the logger's folder) and its path printed last. A report that cannot be written is said so, not
+    raised: training and its checkpoint are done, and ``lightning-fsdp report`` can try again. Every rank must
+    call it: ``trainer.log_dir`` is a broadcast from rank 0.
     """
     log_dir = trainer.log_dir
     if not trainer.is_global_zero:
@@ -60,6 +67,13 @@ def report_artifacts(trainer: Trainer) -> None:
     checkpoint = callback.last_model_path or callback.best_model_path if callback is not None else ""
     print(f"checkpoint: {Path(checkpoint).resolve() if checkpoint else 'none (no ModelCheckpoint saved one)'}")
     print(f"logs: {Path(log_dir).resolve() if log_dir else 'none (no logger)'}", flush=True)
+    monitors = [monitor for monitor in trainer.callbacks if isinstance(monitor, FSDPMonitor)]
+    run_dir = (monitors[0].dirpath or log_dir) if monitors else None
+    if run_dir and (Path(run_dir) / MONITOR_FILE).is_file():
+        try:
+            print(f"report: {write_report(run_dir).resolve()}", flush=True)
+        except (OSError, ReportError) as err:
+            print(f"report: not written: {err}", flush=True)
 
 
 def convert_main(argv: list[str]) -> None:
@@ -126,6 +140,7 @@ SUBCOMMANDS = {
     "predict": "run prediction over a datamodule's predict set",
     "convert": "convert a checkpoint between a sharded folder, one full .ckpt and safetensors weights",
     "estimate": "print the per-rank memory of each sharding strategy for a model size, before trying it",
+    "report": "write an HTML page of a run's step time, memory, communication and stragglers (FSDPMonitor's records)",
 }
 
 
@@ -161,6 +176,9 @@ def main(args: list[str] | None = None) -> None:
         return
     if argv and argv[0] == "estimate":
         estimate_main(argv[1:])
+        return
+    if argv and argv[0] == "report":
+        report_main(argv[1:])
         return
     LightningFSDPCLI(
         LightningModule,

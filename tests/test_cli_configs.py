@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lightning_fsdp.cli import main
+from lightning_fsdp.report import MONITOR_FILE, REPORT_FILE
 from tests.strategy_scripts import run_in_session
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,6 +126,11 @@ def test_demo_trains_and_reports_checkpoint_and_logs(demo_run: Run) -> None:
     (val_loss,), (val_ppl,) = logged(demo_run, "val_loss"), logged(demo_run, "val_ppl")
     assert val_ppl == pytest.approx(math.exp(val_loss), rel=1e-4)  # perplexity of the whole split, all ranks
     assert len(logged(demo_run, "train_loss")) == 2
+    # The monitor's records beside the logs, and the HTML report of them, whose path the run prints last.
+    report = re.search(r"^report: (.+)$", demo_run.output, re.MULTILINE)
+    assert report, demo_run.output[-3000:]
+    assert Path(report[1]) == demo_run.logs / REPORT_FILE and Path(report[1]).is_file()
+    assert (demo_run.logs / MONITOR_FILE).read_text().startswith('{"kind": "run"')
 
 
 def test_finetune_starts_from_the_demo_checkpoint(demo_run: Run, workdir: Path) -> None:

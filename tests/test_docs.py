@@ -46,6 +46,9 @@ EXCERPTED_FILES = {
     # The test imports the example and runs its parse_args and train() on 2 and 4 ranks of its own launch.
     "examples/fabric_loop.py": "tests/test_fabric.py::test_fabric_two_ranks",
     "configs/demo.yaml": "tests/test_cli_configs.py::test_demo_trains_and_reports_checkpoint_and_logs",
+    "tests/test_monitor.py": (
+        "tests/test_monitor.py::test_the_file_starts_with_the_run_and_holds_every_rank_every_interval"
+    ),
     "tests/test_uneven_data.py": (
         "tests/test_uneven_data.py::test_uneven_evaluation_under_fabric_finishes_with_ddps_values"
     ),
@@ -66,6 +69,10 @@ MAPPED_COMMANDS = {
     "lightning-fsdp fit --config configs/demo.yaml --trainer.max_steps 50 --model.n_layer 2": (
         "tests/test_cli_configs.py::test_demo_trains_and_reports_checkpoint_and_logs",
         "the same command with a tinier model and 2 steps",
+    ),
+    "lightning-fsdp report runs/demo/version_0": (
+        "tests/test_report.py::test_cli_writes_where_out_says_and_fit_reports_a_monitored_run",
+        "the CLI's main() on a run folder the test writes (and fit's own report, as in the demo)",
     ),
     "python examples/finetune_hf.py --make-tiny runs/tiny_llama": (
         "tests/test_demos_examples.py::test_finetune_hf_example_trains_lora_and_exports_for_transformers",

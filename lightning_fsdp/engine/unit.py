@@ -11,11 +11,13 @@ all-gather), ``lightning_fsdp.wait_unshard`` (wait, copy out, register the full 
 ``lightning_fsdp.wait_reduce`` (wait, accumulate into the sharded ``.grad``) and ``lightning_fsdp.summon`` (the
 master weights' gather of ``summon_full_params``, between steps). Tools rely on these exact names. The training
 ones are only reached from the runtime hooks, which torch.compile leaves out of its graphs (see [Note: hooks stay out of
-compiled graphs] in ``hooks.py``).
+compiled graphs] in ``hooks.py``). They also count their bytes and the seconds they hold the training thread, in
+``step_stats.py``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -31,6 +33,7 @@ from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, value_checksum
 from lightning_fsdp.engine.options import ShardingOptions
 from lightning_fsdp.engine.param import FSDPParam, gather_masters
+from lightning_fsdp.engine.step_stats import STEP_STATS
 from lightning_fsdp.engine.transport import Pending, Transport, standalone_transport
 from lightning_fsdp.engine.transport.ledger import Stamp
 
@@ -80,7 +83,9 @@ class PendingGradReduction:
 
     def finish(self) -> None:
         with record_function("lightning_fsdp.wait_reduce"):
+            started = time.perf_counter()
             reduced = self.pending.wait()
+            STEP_STATS.blocked_since(started)
             if self.divide_after:  # an average over ranks, as DDP and the unsharded reference compute
                 reduced.div_(self.unit.total_world_size)
             self.unit.accept_reduced_grads(reduced, self.params, self.had_grad)
@@ -415,6 +420,7 @@ class FSDPUnit:
             stamp = self.stamp("all-gather", numel, dtype) if self.world_size > 1 else None
             dests = [fsdp_param.unsharded_buffer for fsdp_param in self.params]
             transport = self.transport()
+            started = time.perf_counter()
             if self.host_rows is not None:
                 self._pending_gather = transport.gather_in_host(self.host_rows, dtype, stamp, dests)
             elif keep_host_rows:
@@ -423,6 +429,8 @@ class FSDPUnit:
                 self._pending_gather = transport.all_gather_to_host(shards, dtype, stamp, dests, self.host_rows)
             else:
                 self._pending_gather = transport.all_gather_into(shards, dtype, stamp, dests)
+            STEP_STATS.blocked_since(started)
+            STEP_STATS.gathered(self.name, transport.name, numel * dtype.itemsize)
         self.shard_state = ShardState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
@@ -434,7 +442,9 @@ class FSDPUnit:
         assert self._pending_gather is not None
         pending, self._pending_gather = self._pending_gather, None
         with record_function("lightning_fsdp.wait_unshard"), torch.no_grad():
+            started = time.perf_counter()
             pending.wait()  # the gathered rows are in the unsharded buffers
+            STEP_STATS.blocked_since(started)
             for fsdp_param in self.params:
                 fsdp_param.register_unsharded()
         self.shard_state = ShardState.UNSHARDED
@@ -529,10 +539,13 @@ class FSDPUnit:
         divide_by = self._divide_before_reducing(reduce_dtype)
         if divide_by is None and transport.divides_exactly(self.total_world_size, rows, reduce_dtype):
             divide_by = self.total_world_size
+        started = time.perf_counter()
         with torch.no_grad():  # the cast to reduce_dtype, if any, is the transport's packing copy
             pending = transport.reduce_scatter(rows, reduce_dtype, stamp, divide_by)
             if self.replicate_group is not None:  # HYBRID: sum the shard over the replicas too
                 pending = self._sum_over_replicas(pending, transport.synchronous)
+        STEP_STATS.blocked_since(started)
+        STEP_STATS.reduced(self.name, transport.name, numel * reduce_dtype.itemsize)
         for fsdp_param in trainable:
             fsdp_param.unsharded.grad = None
         return PendingGradReduction(self, pending, trainable, had_grad, divide_by is None)
@@ -545,7 +558,9 @@ class FSDPUnit:
         def start() -> Pending[torch.Tensor]:
             reduced = shard_sum.wait()
             stamp = self.stamp("all-reduce", reduced.numel(), reduced.dtype)
-            return self.replicate_transport().all_reduce([reduced], reduced.dtype, stamp)
+            transport = self.replicate_transport()
+            STEP_STATS.reduced(self.name, transport.name, reduced.numel() * reduced.dtype.itemsize)
+            return transport.all_reduce([reduced], reduced.dtype, stamp)
 
         if shard_stage_done:
             return start()
@@ -561,8 +576,12 @@ class FSDPUnit:
         numel = sum(grad.numel() for grad in grads)
         stamp = self.stamp("all-reduce", numel, reduce_dtype) if self.total_world_size > 1 else None
         divide_by = self._divide_before_reducing(reduce_dtype)
+        transport = self.replicate_transport()
+        started = time.perf_counter()
         with torch.no_grad():
-            pending = self.replicate_transport().all_reduce(grads, reduce_dtype, stamp, divide_by)
+            pending = transport.all_reduce(grads, reduce_dtype, stamp, divide_by)
+        STEP_STATS.blocked_since(started)
+        STEP_STATS.reduced(self.name, transport.name, numel * reduce_dtype.itemsize)
         return PendingGradReduction(self, pending, trainable, had_grad, divide_by is None)
 
     def _divide_before_reducing(self, dtype: torch.dtype) -> int | None:

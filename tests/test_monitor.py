@@ -99,12 +99,12 @@ def _fit(out: Path, name: str, model: L.LightningModule, data: DataLoader, polic
     Path(out, f"{name}_units_{trainer.global_rank}.json").write_text(json.dumps(units))
 
 
-def _fabric(rank: int, out: Path) -> None:
+def _fabric(rank: int, out: Path, name: str) -> None:
     fabric = L.Fabric(
         accelerator="cpu",
         devices=2,
         strategy=FabricFSDPStrategy(auto_wrap_policy={Block}),
-        loggers=FabricCSVLogger(root_dir=str(out), name="fabric", version=0),
+        loggers=FabricCSVLogger(root_dir=str(out), name=name, version=0),
     )
     fabric.launch()  # the ranks exist already: the test's process group
     torch.manual_seed(0)
@@ -163,7 +163,10 @@ def _runs(rank: int, world_size: int, out: str) -> None:
     rows = DataLoader(torch.randn(STEPS, WIDE, generator=torch.Generator().manual_seed(40 + rank)), batch_size=1)
     torch.manual_seed(0)
     _fit(folder, "exposed", _Wide(), rows, {nn.Linear}, every_n_steps=2, straggler_warn=10.0)
-    _fabric(rank, folder)
+    _fabric(rank, folder, "fabric")
+    os.environ[SHARED_MEMORY_SWITCH] = "0"
+    _fabric(rank, folder, "fabric-gloo")
+    os.environ[SHARED_MEMORY_SWITCH] = "1"
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +193,7 @@ def _metrics(runs: Path, name: str) -> list[dict]:
         return list(csv.DictReader(file))
 
 
-@pytest.mark.parametrize("name", ["shm", "gloo", "straggler", "exposed", "fabric"])
+@pytest.mark.parametrize("name", ["shm", "gloo", "straggler", "exposed", "fabric", "fabric-gloo"])
 def test_the_file_starts_with_the_run_and_holds_every_rank_every_interval(runs: Path, name: str) -> None:
     lines = _lines(runs, name)
     run = lines[0]
@@ -224,11 +227,13 @@ def test_the_split_finds_the_rank_that_sleeps_and_the_others_waiting_for_it(runs
         assert slow["peer_wait_s"] == 0.0
 
 
-@pytest.mark.parametrize(("name", "transport"), [("shm", "shm"), ("gloo", "gloo"), ("fabric", "shm")])
+@pytest.mark.parametrize(
+    ("name", "transport"), [("shm", "shm"), ("gloo", "gloo"), ("fabric", "shm"), ("fabric-gloo", "gloo")]
+)
 def test_each_unit_moves_what_full_shard_must_move(runs: Path, name: str, transport: str) -> None:
     """Per step, summed over the 2 ranks: each unit's packed shard gathered once (the root; the last unit of forward,
     kept into backward) or twice (forward and backward), and its gradients' full input reduce-scattered once."""
-    expected = json.loads(Path(runs, f"{name}_units_0.json").read_text()) if name != "fabric" else None
+    expected = json.loads(Path(runs, f"{name}_units_0.json").read_text()) if "fabric" not in name else None
     for interval in _intervals(runs, name):
         units = interval["units"]
         gathers = []
@@ -272,11 +277,11 @@ def test_throughput_and_mfu_follow_the_batches(runs: Path) -> None:
         assert interval["samples_per_s"] > 0 and interval["tokens_per_s"] is None and interval["mfu"] is None
 
 
-@pytest.mark.parametrize("name", ["shm", "fabric"])
+@pytest.mark.parametrize("name", ["shm", "fabric", "fabric-gloo"])
 def test_the_loggers_get_the_documented_metrics(runs: Path, name: str) -> None:
     rows = [row for row in _metrics(runs, name) if row.get("fsdp/step_s")]
     assert [int(row["step"]) for row in rows] == [2, 4, 6]
-    expected = set(METRICS) - ({"fsdp/mfu"} if name == "fabric" else set())
+    expected = set(METRICS) - ({"fsdp/mfu"} if "fabric" in name else set())
     assert expected <= set(rows[0]), expected - set(rows[0])
     for row, interval in zip(rows, _intervals(runs, name), strict=True):
         assert float(row["fsdp/step_s"]) == pytest.approx(interval["ranks"][0]["step_s"])
@@ -295,6 +300,7 @@ def test_healthy_runs_warn_of_nothing(runs: Path) -> None:
         ("straggler", "straggler", "Rank 1 computed"),
         ("exposed", "exposed_communication", "forward_prefetch=True"),
         ("fabric", "memory", "activation checkpointing"),
+        ("fabric-gloo", "memory", "activation checkpointing"),
     ],
 )
 def test_a_provoked_problem_warns_once_with_the_fix(runs: Path, name: str, code: str, advice: str) -> None:
@@ -305,7 +311,7 @@ def test_a_provoked_problem_warns_once_with_the_fix(runs: Path, name: str, code:
         assert warnings[0]["step"] >= 4
 
 
-@pytest.mark.parametrize("name", ["shm", "straggler", "fabric"])
+@pytest.mark.parametrize("name", ["shm", "gloo", "straggler", "fabric", "fabric-gloo"])
 def test_the_report_draws_each_real_run(runs: Path, name: str, tmp_path: Path) -> None:
     """``lightning-fsdp report`` on what the monitor wrote (its browser check is in tests/test_report.py)."""
     page = write_report(Path(runs, name, "version_0"), tmp_path / "report.html").read_text()

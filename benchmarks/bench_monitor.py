@@ -16,7 +16,7 @@ attribute updates per collective, present in both variants: ``engine/step_stats.
   counts: a median would hide it). The paired ratio is the median over rounds of each round's ratio.
 
 Both ranks are started here with ``LOCAL_RANK`` set (no Lightning launcher), one thread each, and run every fit one
-after the other.
+after the other (``paired_fits.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,17 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, seed_everything
+from paired_fits import VARIANTS, StepClock, paired_summary, quiet_trainer, run_two_ranks, share_records, slowest_rank
 from torch.utils.data import DataLoader
-from typing_extensions import override
 
-from lightning_fsdp import FSDPMonitor, FSDPStrategy
-from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.runtime.launch import free_port
+from lightning_fsdp import FSDPMonitor
+from lightning_fsdp.demos.gpt import GPT, GPTConfig
 from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
-
-VARIANTS = ("with", "without")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,17 +72,6 @@ class LanguageModel(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-
-class StepClock(Callback):
-    """Batch-start times."""
-
-    def __init__(self) -> None:
-        self.starts: list[float] = []
-
-    @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self.starts.append(time.perf_counter())
 
 
 def timed_hooks(monitor: FSDPMonitor, spent: list[float]) -> None:
@@ -134,22 +118,9 @@ def run_rank(args: argparse.Namespace) -> None:
                     monitor = FSDPMonitor(every_n_steps=args.every_n_steps, dirpath=folder)
                     timed_hooks(monitor, spent)
                     callbacks.append(monitor)
-                trainer = Trainer(
-                    accelerator="cpu",
-                    devices=2,
-                    strategy=FSDPStrategy(auto_wrap_policy={Block}),
-                    max_steps=steps,
-                    limit_val_batches=0,
-                    num_sanity_val_steps=0,
-                    logger=False,
-                    enable_checkpointing=False,
-                    enable_progress_bar=False,
-                    enable_model_summary=False,
-                    use_distributed_sampler=False,
-                    callbacks=callbacks,
-                )
+                trainer = quiet_trainer(steps, callbacks, use_distributed_sampler=False)
                 trainer.fit(LanguageModel(config), DataLoader(data, batch_size=args.batch_size))
-                step_times = [b - a for a, b in zip(clock.starts, clock.starts[1:], strict=False)][args.warmup :]
+                step_times = clock.step_times(args.warmup)
                 records.append(
                     {
                         "round": round_index,
@@ -158,33 +129,13 @@ def run_rank(args: argparse.Namespace) -> None:
                         "monitor_s": spent[args.warmup : args.warmup + len(step_times)],
                     }
                 )
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, records)
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(gathered))
+    share_records(records, args.out)
 
 
-def summarize(gathered: list[list[dict[str, Any]]], rounds: int) -> dict[str, Any]:
-    """Per step the slower rank counts; per round the ratio of mean steps; over rounds their median."""
-    per_round: dict[int, dict[str, dict[str, float]]] = {}
-    for run in zip(*gathered, strict=True):  # the same fit on every rank
-        steps = [max(times) for times in zip(*(r["steps_s"] for r in run), strict=True)]
-        spent = [max(times) for times in zip(*(r["monitor_s"] for r in run), strict=True)]
-        per_round.setdefault(run[0]["round"], {})[run[0]["variant"]] = {
-            "step_s": statistics.mean(steps),
-            "monitor_s": statistics.mean(spent) if spent else 0.0,
-            "monitor_max_s": max(spent) if spent else 0.0,
-        }
-    ratios = [per_round[r]["with"]["step_s"] / per_round[r]["without"]["step_s"] for r in range(rounds)]
-    return {
-        "rounds": per_round,
-        "step_with_s": statistics.median(per_round[r]["with"]["step_s"] for r in range(rounds)),
-        "step_without_s": statistics.median(per_round[r]["without"]["step_s"] for r in range(rounds)),
-        "monitor_s": statistics.median(per_round[r]["with"]["monitor_s"] for r in range(rounds)),
-        "monitor_max_s": max(per_round[r]["with"]["monitor_max_s"] for r in range(rounds)),
-        "ratio_median": statistics.median(ratios),
-        "ratio_range": (min(ratios), max(ratios)),
-    }
+def monitor_times(run: Any, steps: list[float]) -> dict[str, float]:
+    """The monitor's mean time a step and its longest (the step that ends an interval), the slower rank's."""
+    spent = slowest_rank(run, "monitor_s")
+    return {"monitor_s": statistics.mean(spent) if spent else 0.0, "monitor_max_s": max(spent, default=0.0)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -193,21 +144,9 @@ def main(argv: list[str] | None = None) -> None:
         run_rank(args)
         exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py
         return
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "records.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        env.update({"WORLD_SIZE": "2", "NODE_RANK": "0"})
-        command = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--out", str(out)]
-        ranks = [subprocess.Popen(command, env={**env, "LOCAL_RANK": str(rank)}) for rank in (0, 1)]
-        try:
-            for rank in ranks:
-                if rank.wait(timeout=args.timeout) != 0:
-                    raise SystemExit(f"a rank exited with {rank.returncode}")
-        finally:
-            for rank in ranks:
-                rank.kill()
-                rank.wait()
-        summary = summarize(json.loads(out.read_text()), args.rounds)
+    gathered = run_two_ranks(__file__, argv if argv is not None else sys.argv[1:], args.timeout)
+    # The mean step: the interval's step counts (a median would hide it).
+    summary = paired_summary(gathered, args.rounds, monitor_times, average=statistics.mean)
     low, high = summary["ratio_range"]
     step = summary["step_with_s"]
     print(

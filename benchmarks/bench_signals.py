@@ -15,37 +15,30 @@ in (see [Note: agreement behind the optimizer step]). Two numbers say what it co
   first batch), interleaved in the same two processes round by round so that the shared machine's noise hits both;
   a step is the time from one ``on_train_batch_start`` to the next, the first ``--warmup`` left out.
 
-Both ranks are started here with ``LOCAL_RANK`` set (no Lightning launcher), and run every fit one after the other.
+Both ranks are started here with ``LOCAL_RANK`` set (no Lightning launcher), and run every fit one after the other
+(``paired_fits.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from paired_fits import VARIANTS, StepClock, paired_summary, quiet_trainer, run_two_ranks, share_records, slowest_rank
 from typing_extensions import override
 
-from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.datamodule import CharDataModule
-from lightning_fsdp.demos.gpt import Block
 from lightning_fsdp.demos.lit_gpt import LitGPT
-from lightning_fsdp.runtime.launch import free_port
 from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 from lightning_fsdp.trainer.preemption import Agreement, DeferredSignals
-
-VARIANTS = ("with", "without")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,20 +57,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class StepClock(Callback):
-    """Batch-start times, and the time spent agreeing; ``without`` takes the agreement out at the first batch."""
-
-    def __init__(self, without: bool, agree_times: dict[str, list[float]]) -> None:
-        self.without = without
-        self.starts: list[float] = []
-        self.agree_times = agree_times
+class ClockWithoutSignals(StepClock):
+    """The step clock of the "without" variant: it takes the agreement out at the first batch."""
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.without and not self.starts:
+        if not self.starts:
             for callback in [c for c in trainer.callbacks if isinstance(c, DeferredSignals)]:
                 callback.remove()
-        self.starts.append(time.perf_counter())
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
 
 def timed_agreements(agree_times: dict[str, list[float]]) -> None:
@@ -113,64 +101,34 @@ def run_rank(args: argparse.Namespace) -> None:
     for round_index in range(args.rounds):
         for variant in VARIANTS:
             seed_everything(0, verbose=False)
-            clock = StepClock(variant == "without", agree_times)
+            clock = StepClock() if variant == "with" else ClockWithoutSignals()
             for times in agree_times.values():
                 times.clear()
-            trainer = Trainer(
-                accelerator="cpu",
-                devices=2,
-                strategy=FSDPStrategy(auto_wrap_policy={Block}),
-                max_steps=args.warmup + args.steps + 1,  # the last step's end is the next start: one more
-                limit_val_batches=0,
-                num_sanity_val_steps=0,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                callbacks=[clock],
-            )
+            trainer = quiet_trainer(args.warmup + args.steps + 1, [clock])  # the last step's end is the next start
             model = LitGPT(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size)
             data = CharDataModule(max_bytes=1_000_000, block_size=args.block_size, batch_size=args.batch_size)
             trainer.fit(model, datamodule=data)
-            steps = [b - a for a, b in zip(clock.starts, clock.starts[1:], strict=False)][args.warmup :]
             records.append(
                 {
                     "round": round_index,
                     "variant": variant,
-                    "steps_s": steps,
+                    "steps_s": clock.step_times(args.warmup),
                     "send_s": agree_times["send"][args.warmup : args.warmup + args.steps],
                     "wait_s": agree_times["wait"][args.warmup : args.warmup + args.steps],
                 }
             )
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, records)
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(gathered))
+    share_records(records, args.out)
 
 
-def summarize(gathered: list[list[dict[str, Any]]], rounds: int) -> dict[str, Any]:
-    """Per step the slower rank counts; per round the ratio of median steps; over rounds their median."""
-    per_round: dict[int, dict[str, dict[str, float]]] = {}
-    for run in zip(*gathered, strict=True):  # the same fit on every rank
-        steps = [max(times) for times in zip(*(r["steps_s"] for r in run), strict=True)]
-        send = [max(times) for times in zip(*(r["send_s"] for r in run), strict=False)]
-        wait = [max(times) for times in zip(*(r["wait_s"] for r in run), strict=False)]
-        per_round.setdefault(run[0]["round"], {})[run[0]["variant"]] = {
-            "step_s": statistics.median(steps),
-            "send_s": statistics.median(send) if send else 0.0,
-            "wait_s": statistics.median(wait) if wait else 0.0,
-            "agree_s": statistics.median([a + b for a, b in zip(send, wait, strict=False)]) if send else 0.0,
-        }
-    ratios = [per_round[r]["with"]["step_s"] / per_round[r]["without"]["step_s"] for r in range(rounds)]
+def agreement_times(run: Any, steps: list[float]) -> dict[str, float]:
+    """The median send, wait and their sum a step, each the slower rank's."""
+    send, wait = slowest_rank(run, "send_s"), slowest_rank(run, "wait_s")
+    if not send:
+        return {"send_s": 0.0, "wait_s": 0.0, "agree_s": 0.0}
     return {
-        "rounds": per_round,
-        "step_with_s": statistics.median(per_round[r]["with"]["step_s"] for r in range(rounds)),
-        "step_without_s": statistics.median(per_round[r]["without"]["step_s"] for r in range(rounds)),
-        "agree_s": statistics.median(per_round[r]["with"]["agree_s"] for r in range(rounds)),
-        "send_s": statistics.median(per_round[r]["with"]["send_s"] for r in range(rounds)),
-        "wait_s": statistics.median(per_round[r]["with"]["wait_s"] for r in range(rounds)),
-        "ratio_median": statistics.median(ratios),
-        "ratio_range": (min(ratios), max(ratios)),
+        "send_s": statistics.median(send),
+        "wait_s": statistics.median(wait),
+        "agree_s": statistics.median([a + b for a, b in zip(send, wait, strict=False)]),
     }
 
 
@@ -180,20 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         run_rank(args)
         exit_after_distributed_run()  # see [Note: gloo exit race] in lightning_fsdp/runtime/process_exit.py
         return
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "records.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        command = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--out", str(out)]
-        ranks = [subprocess.Popen(command, env={**env, "LOCAL_RANK": str(rank)}) for rank in (0, 1)]
-        try:
-            for rank in ranks:
-                if rank.wait(timeout=args.timeout) != 0:
-                    raise SystemExit(f"a rank exited with {rank.returncode}")
-        finally:
-            for rank in ranks:
-                rank.kill()
-                rank.wait()
-        summary = summarize(json.loads(out.read_text()), args.rounds)
+    gathered = run_two_ranks(__file__, argv if argv is not None else sys.argv[1:], args.timeout)
+    summary = paired_summary(gathered, args.rounds, agreement_times)
     low, high = summary["ratio_range"]
     print(
         f"step time with the agreement {summary['step_with_s'] * 1e3:.1f} ms, "

@@ -15,6 +15,7 @@ from lightning_fsdp import CrossHostPrecision, fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block
 from lightning_fsdp.engine.options import ShardingStrategy, parse_reshard_after_forward
 from lightning_fsdp.engine.registry import unit_of
+from lightning_fsdp.engine.step_stats import STEP_STATS
 from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
 from lightning_fsdp.engine.transport.hierarchical import HierarchicalTransport
 from lightning_fsdp.engine.transport.hosts import HOST_SWITCH, HostLayout, host_identity
@@ -137,6 +138,17 @@ def _transports_follow_the_hosts(rank: int, world_size: int) -> None:
             assert isinstance(world, HierarchicalTransport) and world.ranks_per_host == 2, f"[{case}] {world}"
             assert _group_hosts(world.across.group) == {"simhost0", "simhost1"}
             assert isinstance(world.across, LinkTransport) == (case == "bf16"), f"[{case}] {world.across}"
+        # What FSDPMonitor reports by transport: HYBRID's shards inside the host, its replicas' sum between hosts.
+        before = STEP_STATS.snapshot()
+        model(inputs, targets).backward()
+        moved = STEP_STATS.snapshot() - before
+        used = {
+            key: traffic for key, traffic in moved.transports.items() if traffic.gathered_bytes + traffic.reduced_bytes
+        }
+        if case == "HYBRID_SHARD":
+            assert set(used) == {"shm", "gloo"} and used["gloo"].gathered_bytes == 0, f"[{case}] {used}"
+        else:
+            assert set(used) == {"two-stage"}, f"[{case}] {used}"
 
 
 def _host_resharding_keeps_backward_inside_the_host(rank: int, world_size: int) -> None:

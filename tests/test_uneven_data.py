@@ -138,13 +138,17 @@ class _BarrierOnOneRank(LitGPT):
 
 class _SlowRankOne(LitGPT):
     """Rank 1 computes for ``SLOW_S`` before its first validation (or training) forward; rank 0 waits for it in the
-    gathers and gets SIGTERM (from a timer thread of its own) while it waits."""
+    gathers and gets ``signum`` (from a timer thread of its own) while it waits."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__()
+        self.signum = signum
 
     def _first_batch(self, batch_idx: int) -> None:
         if batch_idx == 0 and self.global_rank == 1:
             time.sleep(SLOW_S)
         elif batch_idx == 0:
-            threading.Timer(SIGNAL_AFTER_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            threading.Timer(SIGNAL_AFTER_S, os.kill, (os.getpid(), self.signum)).start()
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self._first_batch(batch_idx)
@@ -163,9 +167,10 @@ def _stuck(rank: int, world_size: int, out: str, case: str) -> None:
             _trainer(_strategy("myfsdp"), max_epochs=2).fit(_model(), _tokens(3 - rank, seed=30 + rank))
         elif case == "fabric-training":  # the same in a Fabric loop, which ends in a barrier
             _fabric_training(_tokens(3 - rank, seed=30 + rank))
-        elif case == "sigterm-fit":
+        elif case in ("sigterm-fit", "sigint-fit"):
             torch.manual_seed(0)
-            _trainer(_strategy("myfsdp"), max_steps=2).fit(_SlowRankOne(), _tokens(2, seed=50 + rank))
+            model = _SlowRankOne(signal.SIGINT if case == "sigint-fit" else signal.SIGTERM)
+            _trainer(_strategy("myfsdp"), max_steps=2).fit(model, _tokens(2, seed=50 + rank))
         else:
             torch.manual_seed(0)
             model = _BarrierOnOneRank() if case == "barrier" else _SlowRankOne()
@@ -249,5 +254,16 @@ def test_sigterm_during_fit_ends_a_rank_that_waits_within_seconds(tmp_path: Path
     ranks = _run_stuck(tmp_path, "sigterm-fit")
     assert ranks[0]["error"] == "SIGTERMException", ranks
     assert ranks[0]["seconds"] < SIGNAL_AFTER_S + STUCK_WAIT_S + 3.0, ranks
+    assert ranks[1]["error"] == "PeerExitedError", ranks
+    assert ranks[1]["seconds"] < SLOW_S + WITHIN_S, ranks
+
+
+def test_sigint_during_fit_reaches_a_rank_that_waits(tmp_path: Path) -> None:
+    """Ctrl-C lands in a wait at once (gloo's waits wake every 0.2 s, shared memory's are Python): Lightning's own
+    handling of KeyboardInterrupt ends the rank (a graceful shutdown, exit status 1), and its peer stops at its next
+    wait, naming the exit."""
+    ranks = _run_stuck(tmp_path, "sigint-fit")
+    assert ranks[0]["error"] == "SystemExit" and ranks[0]["message"] == "1", ranks
+    assert ranks[0]["seconds"] < SIGNAL_AFTER_S + 4.0, ranks
     assert ranks[1]["error"] == "PeerExitedError", ranks
     assert ranks[1]["seconds"] < SLOW_S + WITHIN_S, ranks

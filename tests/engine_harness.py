@@ -107,6 +107,17 @@ def make_optimizer(model: nn.Module, param_groups: bool) -> torch.optim.Optimize
     return torch.optim.AdamW(groups, lr=1e-3, eps=1e-5)
 
 
+def train_tokens(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    """``steps`` optimizer steps of the tiny GPT on random tokens from ``seed`` (2 sequences a step): the training
+    the checkpoint tests save, resume and compare."""
+    data = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        tokens = torch.randint(0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size + 1), generator=data)
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """The largest difference relative to the tensor's scale, with the ATOL floor folded in (passes below RTOL)."""
     scale = expected.abs().max() + ATOL / RTOL

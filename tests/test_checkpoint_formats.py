@@ -20,16 +20,7 @@ from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded, sharde
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
 from lightning_fsdp.engine.state_dict import full_state_dict, load_full_state_dict
 from tests.distributed import run_distributed
-from tests.engine_harness import TINY_GPT
-
-
-def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> None:
-    data = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        tokens = torch.randint(0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size + 1), generator=data)
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+from tests.engine_harness import TINY_GPT, train_tokens
 
 
 class ScaledGPT(GPT):
@@ -52,12 +43,12 @@ def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def _save(rank: int, world_size: int, folder: str) -> None:
     model, optimizer = _fresh()
-    _train(model, optimizer, 2, seed=rank)
+    train_tokens(model, optimizer, 2, seed=rank)
     save_sharded(Path(folder) / "sharded", sharded_checkpoint_state(model, [optimizer]), {"global_step": 2})
     full = {"state_dict": full_state_dict(model), "optimizer_states": [full_optimizer_state(model, optimizer)]}
     if rank == 0:
         torch.save({**full, "global_step": 2}, Path(folder) / "full.ckpt")
-    _train(model, optimizer, 2, seed=100 + rank)  # what a resumed run must reproduce
+    train_tokens(model, optimizer, 2, seed=100 + rank)  # what a resumed run must reproduce
     final = full_state_dict(model)
     if rank == 0:
         torch.save(final, Path(folder) / "expected_after_resume.pt")
@@ -75,7 +66,7 @@ def _resume(rank: int, world_size: int, folder: str) -> None:
             load_full_optimizer_state(model, optimizer, meta["optimizer_states"][0])
         assert meta["global_step"] == 2
         if world_size == 2:  # the same data stream as the uninterrupted run; other world sizes see other data
-            _train(model, optimizer, 2, seed=100 + rank)
+            train_tokens(model, optimizer, 2, seed=100 + rank)
             final = full_state_dict(model, rank0_only=False)
             for name, tensor in expected.items():
                 assert torch.equal(final[name], tensor), f"[{form}] {name} differs from the uninterrupted run"

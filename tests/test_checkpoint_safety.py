@@ -36,7 +36,7 @@ from lightning_fsdp.demos.lit_gpt import LitGPT
 from lightning_fsdp.engine.registry import fsdp_param_of
 from lightning_fsdp.engine.state_dict import full_state_dict
 from tests.distributed import run_distributed
-from tests.engine_harness import TINY_GPT
+from tests.engine_harness import TINY_GPT, train_tokens
 
 OTHER_GPT = GPTConfig(vocab_size=61, block_size=16, n_layer=3, n_head=2, n_embd=20, bias=True)
 
@@ -49,15 +49,6 @@ class Hostile:
 
     def __reduce__(self) -> tuple:
         return (os.system, (f"touch {shlex.quote(self.marker)}",))
-
-
-def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> None:
-    data = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        tokens = torch.randint(0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size + 1), generator=data)
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 def _model(config: GPTConfig = TINY_GPT, **options: object) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -128,14 +119,14 @@ def _make_foreign_files(folder: Path, marker: Path) -> None:
 def _refusals(rank: int, world_size: int, folder_name: str) -> None:
     folder, marker = Path(folder_name), Path(folder_name) / "PWNED"
     model, optimizer = _model()
-    _train(model, optimizer, 2, seed=rank)
+    train_tokens(model, optimizer, 2, seed=rank)
     _save_both(model, [optimizer], folder, "ours")
     other, other_optimizer = _model(OTHER_GPT)
-    _train(other, other_optimizer, 1, seed=rank)
+    train_tokens(other, other_optimizer, 1, seed=rank)
     save_sharded(folder / "other", sharded_checkpoint_state(other, [other_optimizer]), {"global_step": 1})
     sgd_model, _ = _model()
     sgd = torch.optim.SGD(sgd_model.parameters(), lr=0.1, momentum=0.9)
-    _train(sgd_model, sgd, 1, seed=rank)
+    train_tokens(sgd_model, sgd, 1, seed=rank)
     _save_both(sgd_model, [sgd], folder, "sgd")
     if rank == 0:
         _make_foreign_files(folder, marker)
@@ -267,7 +258,7 @@ def test_convert_refuses_hostile_files_and_user_paths(
 def _saves_onto_user_paths(rank: int, world_size: int, folder_name: str) -> None:
     folder = Path(folder_name)
     model, optimizer = _model()
-    _train(model, optimizer, 1, seed=rank)
+    train_tokens(model, optimizer, 1, seed=rank)
     state = sharded_checkpoint_state(model, [optimizer])
     with pytest.raises(FileExistsError, match=r"user_folder is a folder holding files that are not part of a sharded"):
         save_sharded(folder / "user_folder", state, {"global_step": 1})
@@ -305,7 +296,7 @@ def _mixed_precision_round_trip(rank: int, world_size: int, folder_name: str) ->
     folder = Path(folder_name)
     for dtype in (torch.bfloat16, torch.float16):
         model, optimizer = _model(mixed_precision=MixedPrecision(dtype, dtype, dtype))
-        _train(model, optimizer, 2, seed=rank)
+        train_tokens(model, optimizer, 2, seed=rank)
         shards = {n: p.detach().clone() for n, p in model.named_parameters()}
         full = full_state_dict(model, rank0_only=False)
         for name, param in model.named_parameters():
@@ -318,8 +309,8 @@ def _mixed_precision_round_trip(rank: int, world_size: int, folder_name: str) ->
         load_full_checkpoint(folder / f"mixed_{dtype}.ckpt", again, [again_optimizer])
         for name, param in again.named_parameters():
             assert torch.equal(param.detach(), shards[name]), f"{dtype}: {name} lost bits in a full round trip"
-        _train(model, optimizer, 2, seed=100 + rank)
-        _train(again, again_optimizer, 2, seed=100 + rank)
+        train_tokens(model, optimizer, 2, seed=100 + rank)
+        train_tokens(again, again_optimizer, 2, seed=100 + rank)
         for name, param in again.named_parameters():
             assert torch.equal(param.detach(), dict(model.named_parameters())[name].detach()), f"{dtype}: resume {name}"
 
@@ -330,7 +321,7 @@ def test_full_checkpoints_under_mixed_precision_hold_the_fp32_shards_exactly(tmp
 
 def _sharded_save_on_a_full_disk(rank: int, world_size: int, disk: str) -> None:
     model, optimizer = _model()
-    _train(model, optimizer, 1, seed=rank)
+    train_tokens(model, optimizer, 1, seed=rank)
     # The tensors (~180 KB for both ranks) fit, so the save starts; DCP's per-record framing does not.
     with pytest.raises(OSError, match=r"no space left on device: needed ~0.\d MB at .*small_disk.*nothing was left"):
         save_sharded(Path(disk) / "sharded", sharded_checkpoint_state(model, [optimizer]), {"global_step": 1})

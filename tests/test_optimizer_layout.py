@@ -31,7 +31,7 @@ from lightning_fsdp.checkpoint.sharded import load_sharded
 from lightning_fsdp.demos.gpt import GPT, Block
 from lightning_fsdp.engine.state_dict import full_state_dict
 from tests.distributed import run_distributed
-from tests.engine_harness import TINY_GPT
+from tests.engine_harness import TINY_GPT, train_tokens
 
 VARIANTS = ("grouped", "named")
 SOURCES = ("new.ckpt", "old.ckpt", "new-sharded", "old-sharded")
@@ -45,15 +45,6 @@ def _fresh(variant: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     params = list(model.parameters())  # two groups, neither in the module's order: positions are not names
     groups = [{"params": params[::2][::-1], "lr": 1e-2}, {"params": params[1::2], "lr": 5e-3, "weight_decay": 0.0}]
     return model, torch.optim.AdamW(groups)
-
-
-def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> None:
-    data = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        tokens = torch.randint(0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size + 1), generator=data)
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 def _keys(state: dict[str, Any]) -> tuple[list[str], list[list[str]], dict[int, list[str]]]:
@@ -77,7 +68,7 @@ def _save(rank: int, world_size: int, folder: str) -> None:
     out = Path(folder)
     for variant in VARIANTS:
         model, optimizer = _fresh(variant)
-        _train(model, optimizer, 2, seed=rank)
+        train_tokens(model, optimizer, 2, seed=rank)
         weights = full_state_dict(model)
         new = torch_optimizer_state(model, optimizer)
         old = full_optimizer_state(model, optimizer)
@@ -94,7 +85,7 @@ def _save(rank: int, world_size: int, folder: str) -> None:
             before = {"state_dict": weights, "optimizer_states": [old], "global_step": 2}
             torch.save(before, out / f"{variant}-old.ckpt")
             torch.save(new, out / f"{variant}-expected-state.pt")
-        _train(model, optimizer, 2, seed=100 + rank)  # what a resumed run must reproduce
+        train_tokens(model, optimizer, 2, seed=100 + rank)  # what a resumed run must reproduce
         final = full_state_dict(model)
         if rank == 0:
             torch.save(final, out / f"{variant}-expected-final.pt")
@@ -116,7 +107,7 @@ def _resume(rank: int, world_size: int, folder: str) -> None:
             restored = torch_optimizer_state(model, optimizer)
             if rank == 0:
                 _assert_equal(restored, expected_state, f"{variant}, from {source}")
-            _train(model, optimizer, 2, seed=100 + rank)
+            train_tokens(model, optimizer, 2, seed=100 + rank)
             final = full_state_dict(model, rank0_only=False)
             for name, tensor in expected_final.items():
                 assert torch.equal(final[name], tensor), f"{variant}, from {source}: {name}"

@@ -18,7 +18,12 @@ and it fires before any op inside the unit. A unit called twice gets two hooks; 
 manual optimization that step runs backward itself, maybe several times (a GAN: one per optimizer). A unit whose
 forward is still running when a backward ends must stay gathered: the rest of its forward uses its parameters.
 So post-backward and the final callback leave a unit with ``in_forward`` set gathered (its gradients are reduced
-as usual), and its own post-forward decides as it always does.
+as usual), and its own post-forward decides as it always does -- except the root's: a backward that finished inside
+the root's forward was that step's backward, and the output it returns (Lightning's logged loss) is not backwarded
+again, so its post-forward reshards every unit, as after an evaluation forward. Otherwise the root would stay
+gathered until the next step: more memory between steps, and a checkpoint at the batch end (``ModelCheckpoint``,
+the SLURM requeue) would see full parameters where the optimizer holds shards. Should a backward come after all,
+its pre-backward gathers the root again.
 
 [Note: the last unit stays gathered] Backward starts with the unit forward ran last: resharding it after its
 forward, only to gather it again a moment later, costs a whole gather and makes every rank wait for the slowest
@@ -139,6 +144,10 @@ class RootContext:
         self.transports: dict[int, Transport] = {}  # by id of the process group (see [Note: one transport per group])
         self.ledger: Ledger | None = None  # numbers the units' collectives (see [Note: collective identity])
         self.callback_queued = False
+        # Backwards finished so far, and their count when the root's outermost forward began: see [Note: backward
+        # inside a forward].
+        self.backwards_finished = 0
+        self.backwards_before_forward = 0
         self.buffers_trained = False  # a training forward ran since the ranks last took rank 0's buffers
         # The units an evaluation forward entered, in order, root excluded: what ``serve_forward`` replays
         # (see [Note: serving the peers' forward] in serving.py). ``evaluation_units`` is the last whole one.
@@ -330,6 +339,7 @@ class RootContext:
         self.reshard_all()
         self.order_frozen = True
         self.callback_queued = False
+        self.backwards_finished += 1
 
     def reshard_all(self) -> None:
         """The end of a step (or of a forward without backward): every unit sharded, every transport's temporaries
@@ -367,6 +377,8 @@ def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) ->
         return None
     if unit.is_root:
         context.sync_buffers_for_evaluation(module.training)
+        if not unit.in_forward:
+            context.backwards_before_forward = context.backwards_finished
     context.note_entered(unit, outermost=not unit.in_forward)
     unit.begin_forward(records_grads=torch.is_grad_enabled())
     if torch.is_grad_enabled():
@@ -411,6 +423,8 @@ def post_forward(unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) ->
         context.reshard_all()
     if unit.is_root and not unit.in_forward:
         context.end_entering()
+        if context.backwards_finished != context.backwards_before_forward:  # the step's backward ran inside it
+            context.reshard_all()
     return output
 
 

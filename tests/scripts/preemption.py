@@ -21,8 +21,6 @@ cannot resume mid-epoch).
   at the end of batch 3, after step 2).
   ``manual`` (manual optimization, one ``optimizer.step()`` per batch): rank 0 sends it in batch 2 before its step
   (acted on at the batch's end, after step 2), rank 1 in batch 4 after its step (at the end of batch 5, step 5).
-  Its requeue handler is ``RecordRequeue``'s, not Lightning's (a checkpoint at a manual-optimization batch end fails
-  today on its own; see the test): every rank appends ``<rank> <step>`` to OUT_DIR/manual-acted.log.
 - ``sigterm``: rank 1 sends itself SIGTERM after its forward in batch 2 (writing the time to OUT_DIR/signalled_at);
   the strategy's timeout is 600 s, and ``OnExceptionCheckpoint`` saves when the ranks stop. Each rank prints how it
   ended and leaves with its exit status (143 for Lightning's ``SIGTERMException``, 1 for an error).
@@ -108,28 +106,11 @@ class RecordStartStep(L.Callback):
         self.step = trainer.global_step
 
 
-class RecordRequeue(L.Callback):
-    """In place of Lightning's requeue handler (installed before the strategy's ``on_train_start`` takes the signal
-    over, so the strategy runs this one when the ranks agree): each call appends ``<rank> <step>`` to
-    OUT_DIR/<log_name>."""
-
-    def __init__(self, log_name: str) -> None:
-        self.log_name = log_name
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        def record(signum: int, frame: object) -> None:
-            with open(out_dir() / self.log_name, "a") as file:
-                file.write(f"{trainer.global_rank} {trainer.global_step}\n")
-
-        signal.signal(signal.SIGUSR1, record)
-
-
 def fit(
     name: str,
     make_model: Callable[[], LitGPT],
     state_dict_type: str = "full",
     ckpt_path: str | None = None,
-    extra_callbacks: list[L.Callback] | None = None,
     **trainer_options: Any,
 ) -> None:
     """Fit the model ``make_model`` builds from seed 0, in OUT_DIR/<run> (``name`` is ``<run>-<what>``)."""
@@ -142,7 +123,7 @@ def fit(
         max_steps=STEPS,
         plugins=[SLURMEnvironment(auto_requeue=True)],
         default_root_dir=out_dir() / name.split("-")[0],
-        callbacks=[start, *(extra_callbacks or [])],
+        callbacks=[start],
         **trainer_options,
     )
     trainer.fit(model, token_loader(STEPS_PER_EPOCH * 2 * BATCH, batch_size=BATCH), ckpt_path=ckpt_path)
@@ -166,7 +147,6 @@ def requeue() -> None:
     fit(
         "manual-signalled",
         lambda: SignalledInsideStep({0: [(2, "before")], 1: [(4, "after")]}, manual=True),
-        extra_callbacks=[RecordRequeue("manual-acted.log")],
     )
 
 

@@ -1,7 +1,8 @@
 """Manual optimization under the Trainer on 2 real ranks, against ddp in the same setting: a GAN-style step (two
 forwards, two backwards, two optimizers, all inside ``training_step``, so inside the root unit's forward) trains as
-ddp does, every unit is sharded again at the batch end, and a checkpoint there (``ModelCheckpoint`` every step, in
-either form) is written and holds the step's weights (see [Note: backward inside a forward] in engine/hooks.py)."""
+ddp does, every unit is sharded again at the batch end, a checkpoint there (``ModelCheckpoint`` every step, in
+either form) is written and holds the step's weights (see [Note: backward inside a forward] in engine/hooks.py), and
+``FSDPMonitor`` follows a step count that moves by two a batch."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_fsdp import FSDPStrategy
+from lightning_fsdp import FSDPMonitor, FSDPStrategy
 from lightning_fsdp.demos.gpt import Block
 from lightning_fsdp.engine.registry import units_under
 from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.monitor import FILE_NAME
 from tests.distributed import run_distributed
 from tests.scripts.strategy_common import LitGPT, make_trainer, token_loader
 
@@ -66,6 +68,7 @@ def _fit(rank: int, world_size: int, out: str) -> None:
         if name != "ddp":
             folder = Path(out, name)
             callbacks.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=-1))
+            callbacks.append(FSDPMonitor(every_n_steps=3, dirpath=str(folder)))
         torch.manual_seed(0)
         model = TwoOptimizers()
         trainer = make_trainer(strategy, max_steps=2 * BATCHES, callbacks=callbacks, enable_checkpointing=name != "ddp")
@@ -113,3 +116,10 @@ def test_a_checkpoint_at_every_batch_end_holds_that_steps_weights(runs: Path) ->
     assert len(last["optimizer_states"]) == 2
     folders = sorted((runs / "sharded").glob("*.ckpt"))
     assert len(folders) == BATCHES and all((folder / "meta.pt").is_file() for folder in folders)
+
+
+def test_the_monitor_reports_when_two_optimizers_step_past_its_interval(runs: Path) -> None:
+    """Lightning's step count moves by 2 a batch here (2, 4, 6): an interval of 3 ends where it crosses 3 and 6."""
+    lines = [json.loads(line) for line in (runs / "full" / FILE_NAME).read_text().splitlines()]
+    intervals = [line for line in lines if line["kind"] == "interval"]
+    assert [(line["step"], line["steps"]) for line in intervals] == [(4, 2), (6, 2)]

@@ -263,7 +263,10 @@ class FSDPMonitor(Callback):
         self._opened = None
 
     def _ends_interval(self, step: int) -> bool:
-        return step != self._last_step and step % self.every_n_steps == 0 and self._advisor is not None
+        """Whether the optimizer's step count crossed a multiple of ``every_n_steps`` (it may move by more than one a
+        batch: manual optimization with several optimizers)."""
+        crossed = step // self.every_n_steps > self._last_step // self.every_n_steps
+        return crossed and self._advisor is not None
 
     def _advance(self, step: int) -> None:
         """A batch ended with the optimizer's ``step`` count (the same as before it: accumulating gradients)."""

@@ -36,8 +36,9 @@ from lightning_fsdp.checkpoint.async_save import BackgroundSaver
 from lightning_fsdp.checkpoint.sharded import load_sharded, read_checked_metadata, sharded_checkpoint_state
 from lightning_fsdp.engine.state_dict import full_state_dict
 from tests.distributed import run_distributed
+from tests.engine_harness import train_tokens
 from tests.scripts.strategy_common import LitGPT, token_loader
-from tests.test_checkpoint_disks import _FullDiskCheckpointIO, _model, _train
+from tests.test_checkpoint_disks import _FullDiskCheckpointIO, _model
 from tests.test_cli_configs import CONFIGS, print_config
 from tests.test_fabric import TinyLit, _as_launched_rank, _trainer, adamw, gpt_batches, launch, train, weights
 
@@ -185,22 +186,22 @@ def test_a_background_failure_surfaces_at_the_next_save_and_at_teardown(tmp_path
 def _killed_during_the_write(rank: int, world_size: int, out_name: str) -> None:
     out = Path(out_name)
     model, optimizer = _model()
-    _train(model, optimizer, 1, seed=rank)
+    train_tokens(model, optimizer, 1, seed=rank)
     saver = BackgroundSaver()
     saver.save(out / "ckpt", sharded_checkpoint_state(model, [optimizer]), {"global_step": 1})
     saver.wait()
     sharded_module.FileSystemWriter = _HeldWriter
     _HeldWriter.actions = [{"kill"}]
-    _train(model, optimizer, 1, seed=rank)
+    train_tokens(model, optimizer, 1, seed=rank)
     saver.save(out / "ckpt", sharded_checkpoint_state(model, [optimizer]), {"global_step": 2})
-    _train(model, optimizer, 1, seed=rank)  # rank 1 is killed by its writer meanwhile
+    train_tokens(model, optimizer, 1, seed=rank)  # rank 1 is killed by its writer meanwhile
     saver.wait()
 
 
 def _load_after_the_kill(rank: int, world_size: int, out_name: str) -> None:
     out = Path(out_name)
     model, optimizer = _model()
-    _train(model, optimizer, 1, seed=rank)
+    train_tokens(model, optimizer, 1, seed=rank)
     assert load_sharded(out / "ckpt", model, [optimizer])["global_step"] == 1
     saver = BackgroundSaver()
     saver.save(out / "ckpt", sharded_checkpoint_state(model, [optimizer]), {"global_step": 3})

@@ -44,9 +44,8 @@ from lightning_fsdp.checkpoint.sharded import (
 from lightning_fsdp.demos.gpt import GPT, Block
 from lightning_fsdp.engine.state_dict import full_state_dict
 from tests.distributed import run_distributed
-from tests.engine_harness import TINY_GPT
+from tests.engine_harness import TINY_GPT, train_tokens
 from tests.scripts.strategy_common import TINY
-from tests.test_checkpoint_formats import _train
 from tests.test_fabric import TinyLit, _as_launched_rank, _trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +67,7 @@ def _save_in_own_folders(rank: int, world_size: int, out_name: str, layout: str)
     older checkpoint beside it goes through the strategy's ``remove_checkpoint`` (top-k rotation) on every disk."""
     out = Path(out_name)
     model, optimizer = _model()
-    _train(model, optimizer, 2, seed=rank)
+    train_tokens(model, optimizer, 2, seed=rank)
     old = _own_folder(out, layout, rank).with_name("old")
     save_sharded(old, sharded_checkpoint_state(model, [optimizer]), {"global_step": 0})
     save_sharded(_own_folder(out, layout, rank), sharded_checkpoint_state(model, [optimizer]), {"global_step": 1})
@@ -79,7 +78,7 @@ def _save_in_own_folders(rank: int, world_size: int, out_name: str, layout: str)
     strategy.remove_checkpoint(old)
     dist.barrier()
     assert not old.exists()
-    _train(model, optimizer, 2, seed=100 + rank)
+    train_tokens(model, optimizer, 2, seed=100 + rank)
     weights = full_state_dict(model)
     if rank == 0:
         torch.save(weights, out / "straight.pt")
@@ -88,10 +87,10 @@ def _save_in_own_folders(rank: int, world_size: int, out_name: str, layout: str)
 def _resume_from_merged(rank: int, world_size: int, out_name: str) -> None:
     out = Path(out_name)
     model, optimizer = _model()
-    _train(model, optimizer, 1, seed=50 + rank)  # different values, so the load must put every row in place
+    train_tokens(model, optimizer, 1, seed=50 + rank)  # different values, so the load must put every row in place
     meta = load_sharded(out / "merged", model, [optimizer])
     assert meta["global_step"] == 2
-    _train(model, optimizer, 2, seed=100 + rank)
+    train_tokens(model, optimizer, 2, seed=100 + rank)
     weights = full_state_dict(model)
     if rank == 0:
         torch.save(weights, out / "resumed.pt")
@@ -209,7 +208,7 @@ def test_a_full_disk_on_one_rank_is_the_same_sentence_on_every_rank(tmp_path: Pa
 
 def _rank1_on_a_small_disk(rank: int, world_size: int, out_name: str, disk_name: str) -> None:
     model, optimizer = _model()
-    _train(model, optimizer, 1, seed=rank)
+    train_tokens(model, optimizer, 1, seed=rank)
     state = sharded_checkpoint_state(model, [optimizer])
     final = (Path(disk_name) if rank == 1 else Path(out_name)) / "ckpt"
     if rank == 1:  # leave a little more than this rank's share free: the check passes, the records do not fit

@@ -62,8 +62,9 @@ def _transports(group: dist.ProcessGroup) -> dict[str, Transport]:
 
 
 class GlooInChunks(GlooTransport):
-    """Gloo with chunks of ~200 bytes: a few elements or columns of the shapes below per chunk (one at 4 ranks),
-    stamps included (see [Note: chunks over gloo] in ``transport/gloo.py``)."""
+    """Gloo with chunks of ~200 bytes: a reduction's few columns of the shapes below per chunk (one at 4 ranks),
+    stamps included (see [Note: chunks over gloo] in ``transport/gloo.py``); a gather's messages in pieces of 50
+    elements or 100 (see [Note: gathers point to point])."""
 
     def all_gather_into(self, *args, **kwargs):
         with _chunk_mib("0.0002"):
@@ -114,10 +115,10 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
                 dests = [torch.full((layout.padded_numel,), -1.0, dtype=dtype) for layout in layouts]
                 with CollectiveCounter() as counter:
                     assert transport.all_gather_into(shards, dtype, stamp, dests).wait() is None, case
-                if label == "shared memory in chunks":
-                    assert len(counter.events) == 1, "announced once, whole"
-                if label == "gloo in chunks" and dtype == torch.float32:
-                    assert len(counter.events) > 1, "a gloo collective per chunk"
+                if label in ("shared memory in chunks", "gloo", "gloo in chunks"):
+                    # gloo's gather is messages point to point, in pieces in chunks: one all-gather all the same
+                    assert [event.kind for event in counter.events] == ["all_gather"], f"announced once, whole: {case}"
+                    assert counter.bytes["all_gather"] == sum(s.numel() for s in shards) * dtype.itemsize, case
                 for full, dest in zip(fulls, dests, strict=True):
                     assert torch.equal(dest[: full.numel()].view(full.shape), full.to(dtype)), case
             # Reduce-scatter: rank r contributes (r + 1) * full, unpadded (the transport pads); every rank keeps its

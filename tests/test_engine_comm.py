@@ -22,7 +22,7 @@ FP32 = 4
 # lightning_fsdp/engine/transport/gloo.py):
 # a stamp per frame; a summing collective carries digest bits in the data's dtype instead.
 FRAME_OVERHEAD = {
-    "all_gather": lambda world_size: STAMP_BYTES,
+    "all_gather": lambda world_size: 0,  # messages point to point, their tag the identity (see [Note: gathers ...])
     "all_to_all": lambda world_size: world_size * STAMP_BYTES,
     "all_reduce": lambda world_size: DIGEST_BITS * FP32,
 }

@@ -163,7 +163,7 @@ def _host_resharding_keeps_backward_inside_the_host(rank: int, world_size: int) 
         for _ in range(2):  # the second step knows the forward order (the last unit stays gathered)
             with CollectiveCounter() as counter:
                 model(inputs[:, :-1], inputs[:, 1:]).backward()
-        across = [e for e in counter.events if e.kind == "all_gather" and e.op.startswith("c10d::")]
+        across = [e for e in counter.events if e.op == "gloo::point_to_point_all_gather"]
         inside = [e for e in counter.events if e.op == "shm::all_gather"]
         counts[case] = (len(across), len(inside))
     units = 1 + TINY_GPT.n_layer

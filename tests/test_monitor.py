@@ -253,14 +253,15 @@ def test_each_unit_moves_what_full_shard_must_move(runs: Path, name: str, transp
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 def test_the_engines_counters_agree_with_the_collective_counter(runs: Path, transport: str) -> None:
     """The same payload convention. Gloo reduce-scatters as an all-to-all, and its frames carry the collective's stamp
-    (one per rank's row of an all-to-all), which the engine's payload leaves out."""
+    (one per rank's row of an all-to-all), which the engine's payload leaves out; its gathers are announced without
+    their stamps (see [Note: gathers point to point] in ``transport/gloo.py``)."""
     stamp = STAMP_BYTES if transport == "gloo" else 0
     for rank in range(2):
         counts = json.loads(Path(runs, f"engine_{rank}.json").read_text())[transport]
         counter, calls = Counter(counts["counter"]), Counter(counts["calls"])
         gathered = sum(moved[0] for moved in counts["units"].values())
         reduced = sum(moved[1] for moved in counts["units"].values())
-        assert gathered == counter["all_gather"] - stamp * calls["all_gather"] > 0
+        assert gathered == counter["all_gather"] > 0
         wire = counter["reduce_scatter"] + counter["all_reduce"] + counter["all_to_all"]
         stamps = stamp * (calls["reduce_scatter"] + calls["all_reduce"] + 2 * calls["all_to_all"])
         assert reduced == wire - stamps > 0

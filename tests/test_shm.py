@@ -182,8 +182,8 @@ def _check_a_large_root_streams_in_chunks(rank: int, world_size: int, stalled: b
     chunks, the segment stays five slots of the bound, and training equals the unsharded model's (see [Note:
     chunks] in ``transport/shm.py``).
     ``stalled``: rank 1 is slow at every chunk it packs, so the others wait for its chunks and for its reads.
-    Without ``shared_memory`` the same over gloo, whose large collectives go in chunks too (see [Note: chunks over
-    gloo] in ``transport/gloo.py``)."""
+    Without ``shared_memory`` the same over gloo, whose large reductions go in chunks too (see [Note: chunks over
+    gloo] in ``transport/gloo.py``) and whose gathers need no buffer at all (see [Note: gathers point to point])."""
     os.environ[CHUNK_SWITCH] = "0.01"  # 10485 bytes: a block's gather fits, its reduction and the root's do not
     os.environ[shm.ENV_SWITCH] = "1" if shared_memory else "0"
     config = GPTConfig(vocab_size=4093, block_size=8, n_layer=2, n_head=2, n_embd=16, tie_weights=False)
@@ -222,7 +222,10 @@ def _check_a_large_root_streams_in_chunks(rank: int, world_size: int, stalled: b
         assert isinstance(transport, GlooTransport) and not isinstance(transport, SharedMemoryTransport)
         all_to_all = sum(event.kind == "all_to_all" for event in events)
         assert all_to_all > len(units) + 8, "every block's reduction in two chunks or more, the root's in many"
-        assert max(event.bytes for event in events) <= bound, "no collective moves more than a chunk at once"
+        reductions = [event for event in events if event.kind == "all_to_all"]
+        assert max(event.bytes for event in reductions) <= bound, "no reduction moves more than a chunk at once"
+        gathered = {e.numel for e in events if e.op == "gloo::point_to_point_all_gather"}
+        assert root.send_bytes()["all_gather"] // 4 in gathered, "a gather is messages into the rows, announced whole"
         del os.environ[CHUNK_SWITCH], os.environ[shm.ENV_SWITCH]
         return
     assert isinstance(transport, SharedMemoryTransport)

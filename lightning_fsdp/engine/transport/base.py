@@ -25,9 +25,11 @@ is how ``comm_stats.CollectiveCounter`` counts them: no call into the statistics
 from __future__ import annotations
 
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Generic, TypeVar
 
 import torch
@@ -81,6 +83,30 @@ def announce(kind: str, op: str, payload: torch.Tensor, group_size: int) -> None
     """Tell the collective hooks, if there are any, about a collective a transport moves by itself."""
     for hook in tuple(_COLLECTIVE_HOOKS.values()):
         hook(kind, op, payload, group_size)
+
+
+def payload(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """What an announced collective reports to the hooks when its data is not one tensor: its size, no memory."""
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+_MESSAGES = threading.local()
+
+
+@contextmanager
+def messages_of_a_collective() -> Iterator[None]:
+    """The point-to-point messages a transport sends and receives inside here make up one collective it announces,
+    so ``CollectiveCounter`` counts that one and not them."""
+    _MESSAGES.inside = True
+    try:
+        yield
+    finally:
+        _MESSAGES.inside = False
+
+
+def inside_a_collective() -> bool:
+    """Whether this thread is issuing the messages of an announced collective (``messages_of_a_collective``)."""
+    return getattr(_MESSAGES, "inside", False)
 
 
 class Pending(Generic[Result]):

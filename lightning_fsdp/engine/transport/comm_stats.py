@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_fsdp.engine.transport.base import add_collective_hook
+from lightning_fsdp.engine.transport.base import add_collective_hook, inside_a_collective
 
 __all__ = ["CollectiveCounter", "CollectiveEvent", "classify"]
 
@@ -234,7 +234,11 @@ class CollectiveCounter(TorchDispatchMode):
             # they would decline in turn and the op would fail.
             return NotImplemented
         kwargs = kwargs or {}
-        if func.namespace in _NAMESPACES and func._schema.name.split("::")[-1] not in _IGNORED:
+        if (
+            func.namespace in _NAMESPACES
+            and func._schema.name.split("::")[-1] not in _IGNORED
+            and not inside_a_collective()  # a transport's messages: it announces the collective they make up
+        ):
             # Record before running: if the collective fails or hangs, the call was still issued.
             self.record(_event(func, args, kwargs))
         return func(*args, **kwargs)

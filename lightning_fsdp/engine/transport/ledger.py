@@ -83,6 +83,11 @@ class Stamp:
         """The stamp as the ``STAMP_BYTES`` uint8 a rank appends to what it sends."""
         return self.as_tensor().view(torch.uint8)
 
+    def tag(self) -> int:
+        """A gloo message tag (a non-negative int32) that only this collective's messages carry, on every rank:
+        see [Note: gathers point to point] in ``gloo.py``."""
+        return zlib.crc32(repr(self.values()).encode()) & 0x7FFFFFFF
+
     def digest(self, dtype: torch.dtype) -> torch.Tensor:
         """``DIGEST_BITS`` elements of 0 or 1 in ``dtype``: the bits of a hash of the stamp, for summing collectives."""
         bits = zlib.crc32(repr(self.values()).encode()) & ((1 << DIGEST_BITS) - 1)

@@ -75,6 +75,7 @@ from lightning_fsdp.engine.transport.base import (
     Transport,
     announce,
     chunk_limit,
+    payload,
 )
 from lightning_fsdp.engine.transport.gloo import GlooTransport
 from lightning_fsdp.engine.transport.ledger import STAMP_NUMEL, CollectiveMismatchError, Stamp
@@ -457,7 +458,7 @@ class SharedMemoryTransport(Transport):
                 chunk = self.view(slots, rank, slot, stop - start, dtype)
                 collectives.unpack_gathered_chunk(chunk, rank, start, shard_numels, rows)
 
-        announce("all_gather", "shm::all_gather", _payload((numel,), dtype), self.world_size)
+        announce("all_gather", "shm::all_gather", payload((numel,), dtype), self.world_size)
         last = self._stream(slots, numel, slots.slot_bytes // dtype.itemsize, dtype.itemsize, pack, read, stamp)
         return Pending(last)
 
@@ -511,7 +512,7 @@ class SharedMemoryTransport(Transport):
         def read(slot: int, start: int, stop: int) -> None:
             self._sum_own_rows(slots, slot, grads, result[start:stop], start, own_row_in_grads, scale)
 
-        announce("reduce_scatter", "shm::reduce_scatter", _payload((world_size, columns), dtype), world_size)
+        announce("reduce_scatter", "shm::reduce_scatter", payload((world_size, columns), dtype), world_size)
         per_chunk = slots.slot_bytes // (world_size * dtype.itemsize)
         last = self._stream(slots, columns, per_chunk, world_size * dtype.itemsize, pack, read, stamp)
 
@@ -614,7 +615,7 @@ class SharedMemoryTransport(Transport):
             views = [self.view(slots, rank, slot, stop - start, dtype) for rank in range(self.world_size)]
             collectives.sum_rows(views, result[start:stop])
 
-        announce("all_reduce", "shm::all_reduce", _payload((numel,), dtype), self.world_size)
+        announce("all_reduce", "shm::all_reduce", payload((numel,), dtype), self.world_size)
         last = self._stream(slots, numel, slots.slot_bytes // dtype.itemsize, dtype.itemsize, pack, read, stamp)
 
         def finish() -> torch.Tensor:
@@ -660,11 +661,6 @@ class SharedMemoryTransport(Transport):
         while len(in_flight) > 1:
             read_oldest()
         return read_oldest
-
-
-def _payload(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """What a chunked collective announces to the collective hooks: its whole payload's size, with no memory."""
-    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def timeout_of(group: ProcessGroup) -> timedelta:

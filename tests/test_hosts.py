@@ -12,17 +12,22 @@ import torch
 import torch.distributed as dist
 
 from lightning_fsdp import CrossHostPrecision, fully_shard, summon_full_params
-from lightning_fsdp.demos.gpt import GPT, Block
+from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
 from lightning_fsdp.engine.options import ShardingStrategy, parse_reshard_after_forward
-from lightning_fsdp.engine.registry import unit_of
+from lightning_fsdp.engine.registry import unit_of, units_under
 from lightning_fsdp.engine.step_stats import STEP_STATS
 from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
 from lightning_fsdp.engine.transport.hierarchical import HierarchicalTransport
 from lightning_fsdp.engine.transport.hosts import HOST_SWITCH, HostLayout, host_identity
+from lightning_fsdp.engine.transport.ledger import DIGEST_BITS
 from lightning_fsdp.engine.transport.link import LinkTransport
 from lightning_fsdp.engine.transport.shm import SharedMemoryTransport
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT, Run, initialize, make_optimizer, run_parity
+
+# An untied embedding of many more rows than one step's tokens: its gradient is mostly zero rows (see [Note: an
+# embedding's rows between hosts] in lightning_fsdp/engine/sparse_rows.py).
+UNTIED_GPT = GPTConfig(vocab_size=509, block_size=16, n_layer=2, n_head=2, n_embd=18, bias=True, tie_weights=False)
 
 # ----- without a process group -----------------------------------------------------------------------------------
 
@@ -98,6 +103,16 @@ def _exact_runs(per_host: int) -> list[Run]:
         runs += [
             Run(shard={"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 2)}),
             Run(shard={"sharding_strategy": "HYBRID_SHARD", "device_mesh": (1, 4), **host}, steps=3),
+            # The untied embedding's gradient crosses by rows, the position embedding's (every row used) too.
+            Run(shard={"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 2)}, config=UNTIED_GPT, steps=4),
+            Run(
+                shard={"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 2)},
+                config=UNTIED_GPT,
+                steps=3,
+                accumulate=2,
+                freeze=("transformer.wpe",),
+                clip_norm=0.05,
+            ),
         ]
     return runs
 
@@ -180,7 +195,30 @@ def _refusals(rank: int, world_size: int) -> None:
         initialize(model, torch.zeros(1, 16, dtype=torch.long), torch.zeros(1, 16, dtype=torch.long))
 
 
+def _embedding_rows_cross_alone(rank: int, world_size: int) -> None:
+    """HYBRID (2, 2): the replicas' sum sends every unit's shard whole but the untied embedding's, of which only the
+    rows some replica's tokens touched cross (ids below 40 here: rows of the first shard only)."""
+    _claim_host(rank, 2)
+    model = GPT(UNTIED_GPT)
+    fully_shard(model, {Block}, sharding_strategy="HYBRID_SHARD", device_mesh=(2, 2))
+    tokens = torch.randint(0, 40, (2, UNTIED_GPT.block_size + 1), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        with CollectiveCounter() as counter:
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+    params = [param for unit in units_under(model) for param in unit.params]
+    wte = next(param for param in params if param.fqn.endswith("wte.weight"))
+    assert wte.rows_sparse and not any(p.rows_sparse for p in params if p.fqn.endswith("lm_head.weight"))
+    sums = [e for e in counter.events if e.kind == "all_reduce" and e.dtype == torch.float32]
+    sent = sum(e.numel - DIGEST_BITS for e in sums)
+    rest = sum(param.layout.shard_numel for param in params) - wte.layout.shard_numel
+    touched = sent - rest
+    assert 0 < touched <= 40 * wte.layout.row_numel if wte.layout.rank == 0 else touched == 0, (sent, rest)
+    marks = [e for e in counter.events if e.kind == "all_reduce" and e.dtype == torch.uint8]
+    assert [e.numel for e in marks] == [wte.layout.chunk_rows + 8], "one byte a row of each embedding's shard"
+
+
 def _all_checks(rank: int, world_size: int) -> None:
+    _embedding_rows_cross_alone(rank, world_size)
     _transports_follow_the_hosts(rank, world_size)
     _host_resharding_keeps_backward_inside_the_host(rank, world_size)
     _refusals(rank, world_size)

@@ -126,6 +126,11 @@ class FSDPParam:
         rank, world_size = (dist.get_rank(shard_group), shard_group.size()) if shard_group is not None else (0, 1)
         self.layout = ShardLayout.for_shape(param.shape, rank, world_size)
         self.compute_device = param.device
+        # An untied embedding's gradient is zero in every row no token looked up: see [Note: an embedding's rows
+        # between hosts] in sparse_rows.py.
+        self.rows_sparse = bool(owners) and all(
+            isinstance(module, nn.Embedding) and name == "weight" for module, name in owners
+        )
         self.dim_order = dim_order(param)  # see [Note: memory formats are kept]
         shard_device = torch.device("cpu") if offload else param.device
         # See [Note: one rank keeps the parameter whole]; ``alone``: no other rank holds or reduces this parameter.

@@ -33,6 +33,7 @@ from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, value_checksum
 from lightning_fsdp.engine.options import ShardingOptions
 from lightning_fsdp.engine.param import FSDPParam, gather_masters
+from lightning_fsdp.engine.sparse_rows import RowRegion, sum_over_replicas_by_rows
 from lightning_fsdp.engine.step_stats import STEP_STATS
 from lightning_fsdp.engine.transport import Pending, Transport, standalone_transport
 from lightning_fsdp.engine.transport.ledger import Stamp
@@ -543,22 +544,27 @@ class FSDPUnit:
         with torch.no_grad():  # the cast to reduce_dtype, if any, is the transport's packing copy
             pending = transport.reduce_scatter(rows, reduce_dtype, stamp, divide_by)
             if self.replicate_group is not None:  # HYBRID: sum the shard over the replicas too
-                pending = self._sum_over_replicas(pending, transport.synchronous)
+                pending = self._sum_over_replicas(pending, transport.synchronous, _row_regions(trainable))
         STEP_STATS.blocked_since(started)
         STEP_STATS.reduced(self.name, transport.name, numel * reduce_dtype.itemsize)
         for fsdp_param in trainable:
             fsdp_param.unsharded.grad = None
         return PendingGradReduction(self, pending, trainable, had_grad, divide_by is None)
 
-    def _sum_over_replicas(self, shard_sum: Pending[torch.Tensor], shard_stage_done: bool) -> Pending[torch.Tensor]:
+    def _sum_over_replicas(
+        self, shard_sum: Pending[torch.Tensor], shard_stage_done: bool, row_regions: list[RowRegion]
+    ) -> Pending[torch.Tensor]:
         """HYBRID's second stage. When the shard group's reduction is done on return (shared memory inside a host),
         the all-reduce over the replicas -- the stage that crosses hosts -- starts now and runs on gloo's threads
-        behind the next units' backward; otherwise it starts when the shard stage is waited for."""
+        behind the next units' backward; otherwise it starts when the shard stage is waited for. Between hosts an
+        embedding's gradient goes by its non-zero rows (see [Note: an embedding's rows between hosts])."""
 
         def start() -> Pending[torch.Tensor]:
             reduced = shard_sum.wait()
             stamp = self.stamp("all-reduce", reduced.numel(), reduced.dtype)
             transport = self.replicate_transport()
+            if row_regions and transport.crosses_hosts:
+                return sum_over_replicas_by_rows(transport, reduced, row_regions, stamp, self.name)
             STEP_STATS.reduced(self.name, transport.name, reduced.numel() * reduced.dtype.itemsize)
             return transport.all_reduce([reduced], reduced.dtype, stamp)
 
@@ -605,3 +611,13 @@ class FSDPUnit:
                 if arrived:
                     param.grad = reduced[offset : offset + numel].view_as(param).to(param.dtype)
             offset += numel
+
+
+def _row_regions(params: list[FSDPParam]) -> list[RowRegion]:
+    """Where the row-sparse gradients (``FSDPParam.rows_sparse``) among ``params`` lie in their reduced flat shard."""
+    regions, offset = [], 0
+    for param in params:
+        if param.rows_sparse:
+            regions.append(RowRegion(offset, param.layout.chunk_rows, param.layout.row_numel))
+        offset += param.layout.shard_numel
+    return regions

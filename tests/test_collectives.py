@@ -55,6 +55,7 @@ def _transports(group: dist.ProcessGroup) -> dict[str, Transport]:
     return {
         "gloo": GlooTransport(group),
         "gloo in chunks": GlooInChunks(group),
+        "gloo between hosts": GlooTransport(group, between_hosts=True),
         "shared memory": shared,
         "shared memory in chunks": chunked,
         "nccl data path": NcclTransport(group, torch.device("cpu")),
@@ -127,6 +128,7 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
                 collectives.RankRows(full.reshape(-1) * (rank + 1), layout.shard_numel)
                 for full, layout in zip(fulls, layouts, strict=True)
             ]
+            grads.append(collectives.RankRows(torch.empty(0), 3))  # a gradient that never arrived: zeros
             scale = world_size * (world_size + 1) / 2
             for divide_by in (None, 2):
                 reduced = transport.reduce_scatter(grads, torch.float32, stamp, divide_by).wait()
@@ -135,7 +137,7 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
                     expected = shard * scale / (divide_by or 1)
                     assert torch.equal(reduced[offset : offset + layout.shard_numel], expected), case
                     offset += layout.shard_numel
-                assert offset == reduced.numel(), case
+                assert torch.equal(reduced[offset:], torch.zeros(3)), case
             # All-reduce of packed flat tensors into a tensor of its own.
             flats = [torch.full((5,), float(rank)), torch.full((3,), 1.0)]
             summed = transport.all_reduce(flats, torch.float32, stamp).wait()
@@ -151,6 +153,17 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
         with pytest.raises(CollectiveMismatchError, match=r"rank \d is in the all-gather #1 of unit '(unit|other)'"):
             transport.all_reduce([torch.ones(3)], torch.float32, mismatched).wait()
             transport.end_step()
+        if isinstance(transport, GlooTransport) and not isinstance(transport, SharedMemoryTransport):
+            # Messages point to point: tagged by their collective, they never land in another one's rows.
+            dests = [torch.full((layout.padded_numel,), -1.0) for layout in layouts]
+            with pytest.raises(CollectiveMismatchError, match=r"is in the all-gather #1 of unit '(unit|other)'"):
+                transport.all_gather_into(shards, torch.float32, mismatched, dests).wait()
+            assert all(
+                torch.equal(
+                    dest.view(world_size, -1)[1 - min(rank, 1)], torch.full_like(dest.view(world_size, -1)[0], -1.0)
+                )
+                for dest in dests
+            ), "no peer's rows arrived"
     assert isinstance(standalone_transport(group, torch.device("cpu")), GlooTransport)
     assert isinstance(standalone_transport(None, torch.device("cpu")), SingleRank)
 

@@ -27,6 +27,14 @@ than the link's rate (measured on ``../shared/bench``'s simulated 1 Gbit/s NIC: 
 launches every chunk of a collective when it is issued, each on gloo's threads: the training thread never waits on
 the link at issue, and the link always has a queue. Its buffers are the collective's size, as they would be whole.
 
+[Note: reductions between hosts point to point] A reduce-scatter between hosts is messages too: each rank sends its
+peer r the r-th row of every gradient, straight from the gradient (a zero-padded copy where the row is short), and
+receives every peer's row of its own into one buffer; its own row is then added from the gradient itself, as shared
+memory does (see [Note: the own row stays in the gradient] in ``collectives.py``). No send buffer of W rows is packed;
+under a wire narrower than the gradient, or a division before the sum, the peers' rows are packed once, cast and
+divided in that copy. On one host gloo keeps its framed all-to-all in bounded chunks: there the chunks' memory bound
+matters more than a copy (see [Note: chunks over gloo]); between hosts the buffers were the collective's size anyway.
+
 [Note: gathers point to point] gloo's all-gather receives into a flat tensor of its own and copies it into the output,
 which we then unpack into each parameter's rows: two copies of the whole unit on top of the packing, on 2 cores shared
 by 2 ranks (measured on a 12.6 MB block, 2 ranks: 13 ms of CPU a gather against 5 ms as below). Point-to-point
@@ -125,7 +133,7 @@ class GlooTransport(Transport):
         self, shards: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, dests: list[torch.Tensor]
     ) -> Pending[None]:
         """Point to point, straight into ``dests`` (see [Note: gathers point to point])."""
-        world_size, rank, group = self.world_size, self.rank, self.group
+        world_size, rank = self.world_size, self.rank
         flat = [shard.reshape(-1) for shard in shards]
         shard_numels = [shard.numel() for shard in flat]
         rows = [dest.view(world_size, -1) for dest in dests]
@@ -139,30 +147,18 @@ class GlooTransport(Transport):
         arrivals = {
             peer: self.pool.take(numel, dtype, device) for peer in range(world_size) if peer != rank and not direct
         }
-        # Every message is one parameter's part, or a piece of it, on both sides (gloo matches them in order).
-        tag, most = self._tag(stamp), max(chunk_limit() // dtype.itemsize, 1)
-        works = []
-        with messages_of_a_collective():
-            for peer in range(world_size):
-                if peer == rank:
-                    continue
-                into = [row[peer] for row in rows] if direct else arrivals[peer].split(shard_numels)
-                works += [group.send([piece], peer, tag) for source in sources for piece in source.split(most)]
-                works += [group.recv([piece], peer, tag) for part in into for piece in part.split(most)]
-            # The stamps, by a collective: the one wait here that can be polled (see the Note).
-            identities = torch.empty(world_size, STAMP_BYTES, dtype=torch.uint8)
-            mine = stamp.as_bytes() if stamp is not None else torch.zeros(STAMP_BYTES, dtype=torch.uint8)
-            identity = all_gather_flat(identities.view(-1), mine, group=group, async_op=True)
+        outgoing = {peer: sources for peer in range(world_size) if peer != rank}
+        incoming = {
+            peer: [row[peer] for row in rows] if direct else list(arrivals[peer].split(shard_numels))
+            for peer in outgoing
+        }
+        messages = self._exchange(outgoing, incoming, stamp)
         announce("all_gather", "gloo::point_to_point_all_gather", payload((numel,), dtype), world_size)
         for row, source in zip(rows, sources, strict=True):  # every rank's own row is the cast one, as its peers'
             row[rank].copy_(source)
 
         def finish() -> None:
-            wait_work(identity, group, stamp)  # every rank is in this collective: its messages are on their way
-            if stamp is not None:
-                stamp.verify_bytes(identities, group)
-            for work in works:
-                work.wait()
+            messages()
             for peer, arrived in arrivals.items():
                 collectives.unpack_gathered_chunk(arrived, peer, 0, shard_numels, rows)
                 self.pool.give(arrived)
@@ -170,6 +166,32 @@ class GlooTransport(Transport):
                 self.pool.give(packed)
 
         return Pending(finish)
+
+    def _exchange(
+        self, outgoing: dict[int, list[torch.Tensor]], incoming: dict[int, list[torch.Tensor]], stamp: Stamp | None
+    ) -> Callable[[], None]:
+        """Send ``outgoing[peer]`` to each peer and receive ``incoming[peer]`` from it, every tensor in pieces of at
+        most ``chunk_limit()`` bytes, all in flight at once; returns the wait (see [Note: gathers point to point]).
+        Both sides must list tensors of the same sizes in the same order: gloo matches a pair's messages in order."""
+        group, most = self.group, max(chunk_limit() // next(iter(outgoing.values()))[0].element_size(), 1)
+        tag, works = self._tag(stamp), []
+        with messages_of_a_collective():
+            for peer, tensors in outgoing.items():
+                works += [group.send([piece], peer, tag) for tensor in tensors for piece in tensor.split(most)]
+                works += [group.recv([piece], peer, tag) for tensor in incoming[peer] for piece in tensor.split(most)]
+            # The stamps, by a collective: the one wait here that can be polled (see the Note).
+            identities = torch.empty(self.world_size, STAMP_BYTES, dtype=torch.uint8)
+            mine = stamp.as_bytes() if stamp is not None else torch.zeros(STAMP_BYTES, dtype=torch.uint8)
+            identity = all_gather_flat(identities.view(-1), mine, group=group, async_op=True)
+
+        def wait() -> None:
+            wait_work(identity, group, stamp)  # every rank is in this collective: its messages are on their way
+            if stamp is not None:
+                stamp.verify_bytes(identities, group)
+            for work in works:
+                work.wait()
+
+        return wait
 
     def _tag(self, stamp: Stamp | None) -> int:
         """The messages' tag: the collective's identity, else the next number (ranks issue collectives in order)."""
@@ -194,6 +216,8 @@ class GlooTransport(Transport):
         result_dtype: torch.dtype,
     ) -> Pending[torch.Tensor]:
         """``reduce_scatter`` whose rows travel in ``dtype`` and are summed in ``result_dtype`` where they arrive."""
+        if self.crosses_hosts:
+            return self._reduce_scatter_point_to_point(grads, dtype, stamp, divide_by, result_dtype)
         pool, world_size = self.pool, self.world_size
         columns = sum(grad.columns for grad in grads)
         per_chunk = _per_chunk(world_size, dtype, stamp)
@@ -219,6 +243,46 @@ class GlooTransport(Transport):
             result = collectives.sum_rows(list(received[:, :data_bytes].view(dtype).unbind(0)), out)
             pool.give(send)
             pool.give(received)
+            return result
+
+        return Pending(finish)
+
+    def _reduce_scatter_point_to_point(
+        self,
+        grads: list[RankRows],
+        dtype: torch.dtype,
+        stamp: Stamp | None,
+        divide_by: int | None,
+        result_dtype: torch.dtype,
+    ) -> Pending[torch.Tensor]:
+        """See [Note: reductions between hosts point to point]."""
+        world_size, rank, device = self.world_size, self.rank, grads[0].flat.device
+        columns = sum(grad.columns for grad in grads)
+        peers = [peer for peer in range(world_size) if peer != rank]
+        scale = 1.0 if divide_by is None else 1.0 / divide_by
+        packed = None
+        if divide_by is not None or any(grad.flat.dtype != dtype for grad in grads):  # the copy casts and divides
+            packed = self.pool.take(world_size * columns, dtype, device).view(world_size, columns)
+            collectives.pack_peer_rows(grads, packed, rank, scale)
+            outgoing = {peer: list(packed[peer].split([grad.columns for grad in grads])) for peer in peers}
+        else:
+            outgoing = {peer: [_whole_row(grad, peer) for grad in grads] for peer in peers}
+        arrived = self.pool.take(len(peers) * columns, dtype, device).view(len(peers), columns)
+        incoming = {
+            peer: list(row.split([grad.columns for grad in grads])) for peer, row in zip(peers, arrived, strict=True)
+        }
+        messages = self._exchange(outgoing, incoming, stamp)
+        announce(
+            "reduce_scatter", "gloo::point_to_point_reduce_scatter", payload((world_size, columns), dtype), world_size
+        )
+
+        def finish() -> torch.Tensor:
+            messages()
+            result = torch.empty(columns, dtype=result_dtype, device=device)
+            collectives.sum_own_row(grads, rank, list(arrived.unbind(0)), scale, result)
+            self.pool.give(arrived)
+            if packed is not None:
+                self.pool.give(packed)
             return result
 
         return Pending(finish)
@@ -324,3 +388,14 @@ def _pipelined(
             land(in_flight.popleft())
 
     return rest
+
+
+def _whole_row(grad: RankRows, row: int) -> torch.Tensor:
+    """Row ``row`` of the gradient's zero-padded (world_size, columns) view: a view of the gradient where it is whole,
+    else a zero-padded copy (the last rows of an uneven parameter, or a gradient that never arrived)."""
+    part = collectives.row_of(grad, row)
+    if part.numel() == grad.columns:
+        return part
+    whole = torch.zeros(grad.columns, dtype=grad.flat.dtype, device=grad.flat.device)
+    whole[: part.numel()].copy_(part)
+    return whole

@@ -176,9 +176,10 @@ class GlooTransport(Transport):
         group, most = self.group, max(chunk_limit() // next(iter(outgoing.values()))[0].element_size(), 1)
         tag, works = self._tag(stamp), []
         with messages_of_a_collective():
+            for peer, tensors in incoming.items():  # first: a receive posted tells its peer it may send
+                works += [group.recv([piece], peer, tag) for tensor in tensors for piece in tensor.split(most)]
             for peer, tensors in outgoing.items():
                 works += [group.send([piece], peer, tag) for tensor in tensors for piece in tensor.split(most)]
-                works += [group.recv([piece], peer, tag) for tensor in incoming[peer] for piece in tensor.split(most)]
             # The stamps, by a collective: the one wait here that can be polled (see the Note).
             identities = torch.empty(self.world_size, STAMP_BYTES, dtype=torch.uint8)
             mine = stamp.as_bytes() if stamp is not None else torch.zeros(STAMP_BYTES, dtype=torch.uint8)

@@ -11,29 +11,22 @@ so the frames travel as uint8 and the data is viewed in its dtype on both sides;
 the stamps it received with its own. An all-reduce sums, so it carries the stamp's digest bits instead. The check
 costs a few bytes per collective, not a collective of its own.
 
-[Note: chunks over gloo] An all-gather or reduce-scatter whose buffers would exceed ``chunk_limit()`` (a language
+[Note: chunks over gloo] A reduce-scatter on one host whose buffers would exceed ``chunk_limit()`` (a language
 model's root: its embedding and head) runs as a series of collectives of at most that many bytes each, every chunk a
-frame with its stamp: a gather's chunks land straight in the unsharded buffers (``all_gather_into``), a reduction's
-chunks are summed straight into the result. At most ``PIPELINE`` chunks are in flight, the next one packed while gloo's
+frame with its stamp, summed straight into the result. (A unit's gather needs no buffer of its own at all: see
+[Note: gathers point to point].) At most ``PIPELINE`` chunks are in flight, the next one packed while gloo's
 threads move the one before, and their buffers come back to the pool for the next chunk, so a collective's
 temporaries are a few chunks whatever the unit's size, where whole-unit buffers were held by the pool until the end of
 the step (measured on the benchmark model with its 8192-token vocabulary: 1.76 x DDP's peak memory in a step). The
 chunks left in flight when the collective is issued finish in its ``wait``, behind compute.
 
-[Note: chunks between hosts] Across a link, that bound costs what it saves: the issuing rank waits for the link to
-land a chunk before it may launch the next one, and a gloo pair with one message in flight at a time moves far less
-than the link's rate (measured on ``../shared/bench``'s simulated 1 Gbit/s NIC: 75 MB/s with one 4 MB chunk in flight,
-115 MB/s with two or more, 48-66 MB/s for one 54 MB message). So a transport between hosts (``between_hosts``)
-launches every chunk of a collective when it is issued, each on gloo's threads: the training thread never waits on
-the link at issue, and the link always has a queue. Its buffers are the collective's size, as they would be whole.
-
-[Note: reductions between hosts point to point] A reduce-scatter between hosts is messages too: each rank sends its
-peer r the r-th row of every gradient, straight from the gradient (a zero-padded copy where the row is short), and
-receives every peer's row of its own into one buffer; its own row is then added from the gradient itself, as shared
-memory does (see [Note: the own row stays in the gradient] in ``collectives.py``). No send buffer of W rows is packed;
-under a wire narrower than the gradient, or a division before the sum, the peers' rows are packed once, cast and
-divided in that copy. On one host gloo keeps its framed all-to-all in bounded chunks: there the chunks' memory bound
-matters more than a copy (see [Note: chunks over gloo]); between hosts the buffers were the collective's size anyway.
+[Note: chunks between hosts] Across a link, that bound costs what it saves: the issuing rank waits for the link to land
+a chunk before it may launch the next one, and a gloo pair with one message in flight at a time moves far less than the
+link's rate (measured on ``../shared/bench``'s simulated 1 Gbit/s NIC: 75 MB/s with one 4 MB chunk in flight, 115 MB/s
+with two or more, 48-66 MB/s for one 54 MB message). So a transport between hosts (``between_hosts``) launches every
+chunk of an all-reduce, and every message of a gather or reduce-scatter, when it is issued, each on gloo's threads: the
+training thread never waits on the link at issue, and the link always has a queue. Its buffers are the collective's
+size, as they would be whole.
 
 [Note: gathers point to point] gloo's all-gather receives into a flat tensor of its own and copies it into the output,
 which we then unpack into each parameter's rows: two copies of the whole unit on top of the packing, on 2 cores shared
@@ -41,18 +34,30 @@ by 2 ranks (measured on a 12.6 MB block, 2 ranks: 13 ms of CPU a gather against 
 messages land where the receiver says: each rank sends every parameter's shard as it is to every peer (in pieces of
 at most ``chunk_limit()`` bytes, so a language model's embedding never travels as one message) and receives each
 peer's straight into that peer's row of the unsharded buffer. The bytes per rank are a ring's ((W - 1)/W of the unit),
-nothing is packed or unpacked, and every message is in flight at once, which keeps a link's queue full. Under mixed
-precision the shards are packed once, cast, and the own row copied from the cast; rows of a wider dtype than the wire
-(``CrossHostPrecision``) arrive in a buffer and are cast where they are unpacked.
+nothing is packed or unpacked, and every message is in flight at once, which keeps a link's queue full. Receives are
+posted before sends: gloo sends a message only once its receiver has said it is ready, and that notice travels on the
+same connection as this rank's own data, so posted after the sends it would wait behind them and the two directions
+of the link would take turns (measured at 1 Gbit/s, 2 hosts x 1 rank: 1.20 x DDP's step, 1.10 with receives first).
+Under mixed precision the shards are packed once, cast, and the own row copied from the cast; rows of a wider dtype
+than the wire (``CrossHostPrecision``) arrive in a buffer and are cast where they are unpacked.
 
-The messages' tag is the collective's identity (``Stamp.tag``), so a message can only be received by the same
-collective on its peer: gloo aborts the process when a message is longer than the buffer posted for it, and fills a
-longer one silently. A point-to-point work of gloo cannot be waited for in slices, though: ``is_completed`` stays
-False until it is waited for, and a wait whose timeout passes closes the connection to the peer. So the ranks' stamps
-travel beside the messages in an all-gather of their own (32 bytes a rank), the wait that ``wait_work`` polls,
-interrupts and explains; once it is over every rank is in this collective (or has raised ``CollectiveMismatchError``),
-its messages are on their way, and they are waited for outright. The gather is announced to the collective hooks as
-the one all-gather it stands for; its messages and the stamps' gather are not counted (``messages_of_a_collective``).
+The messages' tag is the collective's identity (``Stamp.tag``), so a message can only be received by the same collective
+on its peer: gloo aborts the process when a message is longer than the buffer posted for it, and fills a longer one only
+in part, silently. A point-to-point work of gloo cannot be waited for in slices, though: ``is_completed`` stays False
+until it is waited for, and a wait whose timeout passes closes the connection to the peer. So the ranks' stamps travel
+beside the messages in an all-gather of their own (32 bytes a rank), the wait that ``wait_work`` polls, interrupts and
+explains; once it is over every rank is in this collective (or has raised ``CollectiveMismatchError``), its messages are
+on their way, and they are waited for outright. The gather is announced to the collective hooks as the one all-gather it
+stands for; its messages and the stamps' gather are not counted (``messages_of_a_collective``).
+
+[Note: reductions between hosts point to point] A reduce-scatter between hosts is messages too, tagged and stamped as
+above: each rank sends its peer r the r-th row of every gradient, straight from the gradient (a zero-padded copy where
+the row is short), and receives every peer's row of its own into one buffer; its own row is then added from the gradient
+itself, as shared memory does (see [Note: the own row stays in the gradient] in ``collectives.py``). No send buffer of W
+rows is packed; under a wire narrower than the gradient, or a division before the sum, every row is packed once, cast
+and divided in that copy, and the own row is summed from it, rounded as the others are, so that the gradients can go at
+once. On one host gloo keeps its framed all-to-all in bounded chunks: there the chunks' memory bound matters more than a
+copy (see [Note: chunks over gloo]); between hosts the buffers were the collective's size anyway.
 """
 
 from __future__ import annotations
@@ -260,30 +265,34 @@ class GlooTransport(Transport):
         world_size, rank, device = self.world_size, self.rank, grads[0].flat.device
         columns = sum(grad.columns for grad in grads)
         peers = [peer for peer in range(world_size) if peer != rank]
-        scale = 1.0 if divide_by is None else 1.0 / divide_by
+        widths = [grad.columns for grad in grads]
         packed = None
         if divide_by is not None or any(grad.flat.dtype != dtype for grad in grads):  # the copy casts and divides
             packed = self.pool.take(world_size * columns, dtype, device).view(world_size, columns)
-            collectives.pack_peer_rows(grads, packed, rank, scale)
-            outgoing = {peer: list(packed[peer].split([grad.columns for grad in grads])) for peer in peers}
+            collectives.pack_rows(grads, packed)
+            if divide_by is not None:
+                packed.div_(divide_by)
+            outgoing = {peer: list(packed[peer].split(widths)) for peer in peers}
         else:
             outgoing = {peer: [_whole_row(grad, peer) for grad in grads] for peer in peers}
         arrived = self.pool.take(len(peers) * columns, dtype, device).view(len(peers), columns)
-        incoming = {
-            peer: list(row.split([grad.columns for grad in grads])) for peer, row in zip(peers, arrived, strict=True)
-        }
+        incoming = {peer: list(row.split(widths)) for peer, row in zip(peers, arrived, strict=True)}
         messages = self._exchange(outgoing, incoming, stamp)
         announce(
             "reduce_scatter", "gloo::point_to_point_reduce_scatter", payload((world_size, columns), dtype), world_size
         )
+        # The gradients stay referenced until the sum only where their own row is read from them (no copy made).
+        kept = grads if packed is None else None
 
         def finish() -> torch.Tensor:
             messages()
             result = torch.empty(columns, dtype=result_dtype, device=device)
-            collectives.sum_own_row(grads, rank, list(arrived.unbind(0)), scale, result)
-            self.pool.give(arrived)
-            if packed is not None:
+            if kept is not None:
+                collectives.sum_own_row(kept, rank, list(arrived.unbind(0)), 1.0, result)
+            else:  # every addend rounded to the wire's dtype alike, the own row too, and summed in the result's
+                collectives.sum_rows([packed[rank], *arrived.unbind(0)], result)
                 self.pool.give(packed)
+            self.pool.give(arrived)
             return result
 
         return Pending(finish)

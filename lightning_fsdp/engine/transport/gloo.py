@@ -209,8 +209,9 @@ class GlooTransport(Transport):
     def reduce_scatter(
         self, grads: list[RankRows], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:
-        """See [Note: reduce-scatter on gloo]; one larger than ``chunk_limit()`` goes in chunks of columns (see
-        [Note: chunks over gloo])."""
+        """See [Note: reduce-scatter on gloo]. Between hosts, messages (see [Note: reductions between hosts point to
+        point]); on one host, one larger than ``chunk_limit()`` goes in chunks of columns (see [Note: chunks over
+        gloo])."""
         return self._reduce_scatter(grads, dtype, stamp, divide_by, dtype)
 
     def _reduce_scatter(

@@ -97,6 +97,7 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
         ]
         padded[: local.numel()] = local
         shards.append(padded)
+    sparse_layout = ShardLayout.for_shape(_touched_rows(0).shape, rank, world_size)
     ledger = Ledger(["unit"])
     for label, transport in _transports(group).items():
         for stamp in (None, ledger.stamp("all-gather", 1, "unit")):
@@ -129,6 +130,12 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
                 for full, layout in zip(fulls, layouts, strict=True)
             ]
             grads.append(collectives.RankRows(torch.empty(0), 3))  # a gradient that never arrived: zeros
+            # Embedding-like gradients, zero but in the rows each rank touched (row 6 by every rank, one row only by
+            # this one), and one that never arrived: between hosts they go by rows, elsewhere whole.
+            touched = _touched_rows(rank)
+            grads.append(collectives.RankRows(touched.reshape(-1), sparse_layout.shard_numel, sparse_layout.row_numel))
+            grads.append(collectives.RankRows(torch.empty(0), 2 * sparse_layout.row_numel, sparse_layout.row_numel))
+            summed_rows = sum(_touched_rows(other) for other in range(world_size))
             scale = world_size * (world_size + 1) / 2
             for divide_by in (None, 2):
                 reduced = transport.reduce_scatter(grads, torch.float32, stamp, divide_by).wait()
@@ -137,7 +144,12 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
                     expected = shard * scale / (divide_by or 1)
                     assert torch.equal(reduced[offset : offset + layout.shard_numel], expected), case
                     offset += layout.shard_numel
-                assert torch.equal(reduced[offset:], torch.zeros(3)), case
+                assert torch.equal(reduced[offset : offset + 3], torch.zeros(3)), case
+                mine = torch.zeros(sparse_layout.chunk_rows, sparse_layout.row_numel)
+                mine[: sparse_layout.local_rows] = sparse_layout.local_rows_of(summed_rows) / (divide_by or 1)
+                rest = reduced[offset + 3 :]
+                assert torch.equal(rest[: mine.numel()], mine.reshape(-1)), f"rows summed: {case}"
+                assert torch.equal(rest[mine.numel() :], torch.zeros(2 * sparse_layout.row_numel)), case
             # All-reduce of packed flat tensors into a tensor of its own.
             flats = [torch.full((5,), float(rank)), torch.full((3,), 1.0)]
             summed = transport.all_reduce(flats, torch.float32, stamp).wait()
@@ -166,6 +178,14 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
             ), "no peer's rows arrived"
     assert isinstance(standalone_transport(group, torch.device("cpu")), GlooTransport)
     assert isinstance(standalone_transport(None, torch.device("cpu")), SingleRank)
+
+
+def _touched_rows(rank: int) -> torch.Tensor:
+    """A (9, 3) gradient whose rows are zero but row 6 and row ``rank`` (a 4-rank group pads it to 12 rows)."""
+    grad = torch.zeros(9, 3)
+    grad[6] = torch.tensor([1.0, -2.0, 0.5])
+    grad[rank] += rank + 1.0
+    return grad
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

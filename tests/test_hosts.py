@@ -4,6 +4,8 @@ model (what crosses the link, in bytes, is measured in ``test_simulated_link.py`
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import os
 
@@ -99,6 +101,11 @@ def _exact_runs(per_host: int) -> list[Run]:
         Run(shard={**host, "backward_prefetch": None}, clip_norm=0.05, checkpointing=True),
         Run(shard=host, freeze=("transformer.h.0", "lm_head"), steps=3),  # LoRA-like: frozen units and parts
     ]
+    if per_host == 1:  # the untied embedding's gradient crosses by rows in the reduce-scatter
+        runs += [
+            Run(shard={"sharding_strategy": "FULL_SHARD"}, config=UNTIED_GPT, steps=4),
+            Run(shard={"forward_prefetch": True}, config=UNTIED_GPT, steps=3, accumulate=2, skip_sync=True),
+        ]
     if per_host > 1:
         runs += [
             Run(shard={"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 2)}),
@@ -170,10 +177,11 @@ def _host_resharding_keeps_backward_inside_the_host(rank: int, world_size: int) 
     """One counted step each: FULL_SHARD gathers every unit but the last again in backward, between hosts;
     resharded to the host it gathers them over shared memory, and only forward's gathers cross."""
     _claim_host(rank, 2)
-    inputs = torch.randint(0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size + 1), generator=torch.Generator())
+    config = dataclasses.replace(TINY_GPT, n_layer=5)
+    inputs = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=torch.Generator())
     counts = {}
     for case, shard in {"FULL_SHARD": {}, "to the host": {"reshard_after_forward": 2}}.items():
-        model = GPT(TINY_GPT)
+        model = GPT(config)
         fully_shard(model, {Block}, **shard)
         for _ in range(2):  # the second step knows the forward order (the last unit stays gathered)
             with CollectiveCounter() as counter:
@@ -181,10 +189,11 @@ def _host_resharding_keeps_backward_inside_the_host(rank: int, world_size: int) 
         across = [e for e in counter.events if e.op == "gloo::point_to_point_all_gather"]
         inside = [e for e in counter.events if e.op == "shm::all_gather"]
         counts[case] = (len(across), len(inside))
-    units = 1 + TINY_GPT.n_layer
-    # root + blocks in forward; backward regathers every block but the last: between hosts, or inside the host
-    assert counts["FULL_SHARD"] == (units + TINY_GPT.n_layer - 1, units + TINY_GPT.n_layer - 1), counts
-    assert counts["to the host"] == (units, units + TINY_GPT.n_layer - 1), counts
+    units, regathered = 1 + config.n_layer, config.n_layer - 3
+    # root + blocks in forward; backward regathers every block but the last three (the last one and the two that
+    # backward would prefetch at once stay gathered): between hosts, or inside the host
+    assert counts["FULL_SHARD"] == (units + regathered, units + regathered), counts
+    assert counts["to the host"] == (units, units + regathered), counts
 
 
 def _refusals(rank: int, world_size: int) -> None:

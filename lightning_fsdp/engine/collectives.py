@@ -19,10 +19,22 @@ class RankRows(NamedTuple):
     ranks) would need a padded copy of its whole gradient first -- a second full gradient alive at the peak of
     backward, and one more pass over it. ``pack_rows`` writes the padding straight into the send buffer instead. An
     empty ``flat`` stands for a gradient that never arrived (all zeros).
+
+    ``row_numel``: non-zero for a gradient that is zero in most of its rows of that many elements (an untied
+    embedding's, ``FSDPParam.rows_sparse``), which a reduction between hosts may send by its touched rows.
     """
 
     flat: torch.Tensor
     columns: int
+    row_numel: int = 0
+
+    def touched_rows(self, world_size: int) -> torch.Tensor:
+        """One byte per row of the padded (world_size * columns / row_numel) rows: 1 where the row is non-zero."""
+        marks = torch.zeros(world_size * self.columns // self.row_numel, dtype=torch.uint8, device=self.flat.device)
+        if self.flat.numel():
+            rows = self.flat.view(-1, self.row_numel)
+            torch.any(rows != 0, dim=1, out=marks[: rows.size(0)].view(torch.bool))
+        return marks
 
 
 def pack(tensors: list[torch.Tensor], out: torch.Tensor, start: int = 0) -> None:

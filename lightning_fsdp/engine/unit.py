@@ -532,7 +532,8 @@ class FSDPUnit:
             grad = fsdp_param.unsharded.grad
             had_grad.append(grad is not None)
             flat = fsdp_param.flat(grad) if grad is not None else fsdp_param.unsharded.new_empty(0)  # empty: zeros
-            rows.append(RankRows(flat, fsdp_param.layout.shard_numel))
+            sparse_rows = fsdp_param.layout.row_numel if fsdp_param.rows_sparse else 0
+            rows.append(RankRows(flat, fsdp_param.layout.shard_numel, sparse_rows))
         reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or rows[0].flat.dtype
         numel = self.world_size * sum(row.columns for row in rows)
         stamp = self.stamp("reduce-scatter", numel, reduce_dtype) if self.world_size > 1 else None

@@ -207,6 +207,7 @@ class ShardedModelSetup(ABC):
         parse_reshard_after_forward(arguments.reshard_after_forward, parse_sharding_strategy(self.sharding_strategy))
         self.reshard_after_forward = arguments.reshard_after_forward
         self.cross_host_precision = CrossHostPrecision.coerce(arguments.cross_host_precision)
+        self.gather_embedding_by_rows = flag("gather_embedding_by_rows", arguments.gather_embedding_by_rows)
         self.kwargs = torch_fsdp_keywords(
             {
                 "auto_wrap_policy": arguments.auto_wrap_policy,
@@ -316,6 +317,8 @@ class ShardedModelSetup(ABC):
             options["reshard_after_forward"] = self.reshard_after_forward
         if self.cross_host_precision is not None:
             options["cross_host_precision"] = self.cross_host_precision
+        if not self.gather_embedding_by_rows:
+            options["gather_embedding_by_rows"] = False
         return options
 
     def _engine_mixed_precision(self) -> MixedPrecision | None:

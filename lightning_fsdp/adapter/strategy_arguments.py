@@ -59,6 +59,7 @@ def strategy_arguments(
     async_save: bool = False,
     reshard_after_forward: bool | int | None = None,
     cross_host_precision: Literal["bf16", "int8"] | CrossHostPrecision | None = None,
+    gather_embedding_by_rows: bool = True,
 ) -> dict[str, Any]:
     """Every shared argument by name, the defaults filled in where ``given`` lacks one. What each means is in
     ``FSDPStrategy``'s docstring; the checks are in ``ShardedModelSetup._set_sharding_arguments``."""

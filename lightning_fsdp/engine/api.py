@@ -55,6 +55,7 @@ def fully_shard(
     ignored_params: Iterable[nn.Parameter] = (),
     reshard_after_forward: bool | int | None = None,
     cross_host_precision: CrossHostPrecision | str | None = None,
+    gather_embedding_by_rows: bool = True,
 ) -> nn.Module:
     """Shard ``module`` in place across the ranks of ``process_group`` and return it.
 
@@ -102,6 +103,10 @@ def fully_shard(
             HYBRID_SHARD). Checked at the first forward, when the hosts are known.
         cross_host_precision: fewer bits for what crosses between hosts (CPU ranks): ``"bf16"``, ``"int8"`` or a
             ``CrossHostPrecision``; the computation and the master weights keep their dtypes. None: every bit.
+        gather_embedding_by_rows: where a unit's gathers cross hosts, a training forward gathers the weight of an
+            ``nn.Embedding`` no other module shares by the rows its lookups read, not whole; its other rows hold NaN
+            until the unit reshards. False for a model that reads such a weight outside the embedding's own forward
+            (see [Note: an embedding's rows as they are looked up] in ``looked_up_rows.py``).
     """
     options = ShardingOptions.parse(
         sharding_strategy,
@@ -112,6 +117,7 @@ def fully_shard(
         cpu_offload,
         reshard_after_forward,
         cross_host_precision,
+        gather_embedding_by_rows,
     )
     wrap_policy = as_wrap_policy(policy)
     groups = resolve_groups(options.sharding_strategy, process_group, device_mesh)

@@ -213,6 +213,7 @@ class RootContext:
                 self.transports[id(group)] = choose_transport(group, root.compute_device(), need, precision)
         for unit in self.units:
             unit.resolve_after_forward(self.transports[id(unit.shard_group)])
+            unit.choose_looked_up_rows(self.transports[id(unit.shard_group)])
         self.gathers_cross_hosts = self.transports[id(root.shard_group)].crosses_hosts
         reductions_cross = self.gathers_cross_hosts or self.transports[id(root.replicate_group)].crosses_hosts
         self.prefetch_depth = MAX_PREFETCHED_UNITS if self.gathers_cross_hosts else 1

@@ -220,6 +220,8 @@ class ShardingOptions:
     # True, False, or the ranks to stay sharded over after forward: see ``parse_reshard_after_forward``.
     reshard_after_forward: bool | int = True
     cross_host_precision: CrossHostPrecision | None = None
+    # Between hosts, an embedding's rows as its lookups read them (see looked_up_rows.py).
+    gather_embedding_by_rows: bool = True
 
     @staticmethod
     def parse(
@@ -231,6 +233,7 @@ class ShardingOptions:
         cpu_offload: object,
         reshard_after_forward: object = None,
         cross_host_precision: object = None,
+        gather_embedding_by_rows: bool = True,
     ) -> ShardingOptions:
         strategy = parse_sharding_strategy(sharding_strategy)
         return ShardingOptions(
@@ -242,6 +245,7 @@ class ShardingOptions:
             parse_cpu_offload(cpu_offload),
             parse_reshard_after_forward(reshard_after_forward, strategy),
             CrossHostPrecision.coerce(cross_host_precision),
+            bool(gather_embedding_by_rows),
         )
 
     @property

@@ -31,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, value_checksum
+from lightning_fsdp.engine.looked_up_rows import LookedUpRows, looks_up_rows_only
 from lightning_fsdp.engine.options import ShardingOptions
 from lightning_fsdp.engine.param import FSDPParam, gather_masters
 from lightning_fsdp.engine.sparse_rows import RowRegion, sum_over_replicas_by_rows
@@ -144,6 +145,7 @@ class FSDPUnit:
         self.input_grads_pending = 0  # forwards of this step whose input gradients backward has yet to compute
         self.awaits_final_callback = False  # frozen parameters, no input needing a gradient: stage 6 finishes it
         self._call_guards: list[RemovableHandle] = []  # see [Note: a submodule called while its unit is sharded]
+        self.looked_up: list[LookedUpRows] = []  # see [Note: an embedding's rows as they are looked up]
 
     # ----- the state machine: every change of the fields above goes through these methods ------------------------
 
@@ -223,6 +225,15 @@ class FSDPUnit:
                 f"reshard_after_forward={setting} is not a size this unit's group of {self.world_size} ranks can stay "
                 f"sharded over: it has {hosts}; pass the ranks per host, True (all {self.world_size}) or False."
             )
+
+    def choose_looked_up_rows(self, transport: Transport) -> None:
+        """Which embedding weights this unit's training gathers leave to their lookups, once the root has chosen its
+        transport (see [Note: an embedding's rows as they are looked up])."""
+        for rows in self.looked_up:
+            rows.remove()
+        self.looked_up = []
+        if transport.gathers_rows and self.options.gather_embedding_by_rows and not self.is_whole:
+            self.looked_up = [LookedUpRows(self, p) for p in self.params if looks_up_rows_only(p)]
 
     @property
     def needs_gather(self) -> bool:
@@ -412,17 +423,25 @@ class FSDPUnit:
             self.shard_state = ShardState.UNSHARDED  # the registered parameters are the full ones already
             return
         keep_host_rows = self.after_forward is AfterForward.TO_HOST and torch.is_grad_enabled() and not self.is_root
+        # A training gather leaves an embedding's weight to its lookups (and backward needs none of it).
+        by_lookup = torch.is_grad_enabled() or self.context.callback_queued
         with record_function("lightning_fsdp.unshard"), torch.no_grad():
             for fsdp_param in self.params:
                 fsdp_param.alloc_unsharded()
-            shards = [fsdp_param.padded_shard for fsdp_param in self.params]
-            dtype = self.options.mixed_precision.param_dtype or shards[0].dtype
+            for rows in self.looked_up:
+                rows.begin(active=by_lookup)
+            left_out = {id(rows.param) for rows in self.looked_up if rows.active}
+            gathered = [fsdp_param for fsdp_param in self.params if id(fsdp_param) not in left_out]
+            shards = [fsdp_param.padded_shard for fsdp_param in gathered]
+            dtype = self.options.mixed_precision.param_dtype or self.params[0].sharded.dtype
             numel = sum(shard.numel() for shard in shards)
-            stamp = self.stamp("all-gather", numel, dtype) if self.world_size > 1 else None
-            dests = [fsdp_param.unsharded_buffer for fsdp_param in self.params]
+            stamp = self.stamp("all-gather", numel, dtype) if self.world_size > 1 and gathered else None
+            dests = [fsdp_param.unsharded_buffer for fsdp_param in gathered]
             transport = self.transport()
             started = time.perf_counter()
-            if self.host_rows is not None:
+            if not gathered:
+                self._pending_gather = Pending.done(None)
+            elif self.host_rows is not None:
                 self._pending_gather = transport.gather_in_host(self.host_rows, dtype, stamp, dests)
             elif keep_host_rows:
                 hosts = self.world_size // (transport.ranks_per_host or 1)
@@ -474,6 +493,8 @@ class FSDPUnit:
                 for fsdp_param in self.params:
                     fsdp_param.register_sharded()
                     fsdp_param.free_unsharded()
+                for rows in self.looked_up:
+                    rows.end()
         self.shard_state = ShardState.HOST_SHARDED if keep else ShardState.SHARDED
         self.prefetched = False
 

@@ -127,6 +127,9 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             ``sharding_strategy`` does.
         cross_host_precision: fewer bits for what crosses between hosts (CPU ranks): ``"bf16"``, ``"int8"`` or a
             ``CrossHostPrecision(gather=..., reduce=...)``; the computation and the master weights keep their dtypes.
+        gather_embedding_by_rows: between hosts, a training forward gathers the weight of an ``nn.Embedding`` no
+            other module shares by the rows its lookups read (its other rows hold NaN until the unit reshards); False
+            for a model that reads that weight outside the embedding's own forward.
         sync_module_states: broadcast rank 0's parameters and buffers at setup.
         param_init_fn: initializes a module materialized from the meta device (``empty_init=True``), instead of
             replaying the recorded build (or, where that cannot be replayed, its ``reset_parameters()``). As in

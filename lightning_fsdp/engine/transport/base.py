@@ -156,6 +156,9 @@ class Transport(ABC):
     # Whether some of its collectives' bytes cross a link between hosts: then waits are long and the units keep
     # more gathers and reductions in flight (see [Note: the link's queue] in hooks.py).
     crosses_hosts = False
+    # Whether it gathers single rows of a parameter (``gather_rows``): see [Note: an embedding's rows as they are
+    # looked up] in ``looked_up_rows.py``.
+    gathers_rows = False
 
     def __init__(self, group: ProcessGroup | None) -> None:
         self.group = group

@@ -122,7 +122,7 @@ class GlooTransport(Transport):
 
     def __init__(self, group: ProcessGroup, between_hosts: bool = False) -> None:
         super().__init__(group)
-        self.crosses_hosts = between_hosts
+        self.crosses_hosts = self.gathers_rows = between_hosts
         # Chunks in flight at once: see [Note: chunks over gloo] and [Note: chunks between hosts].
         self.chunks_in_flight = None if between_hosts else PIPELINE
         self._untagged = 0
@@ -228,6 +228,32 @@ class GlooTransport(Transport):
             return identities[:, STAMP_BYTES:] if beside is not None else None
 
         return wait
+
+    def gather_rows(self, wanted: torch.Tensor, shard: torch.Tensor, full: torch.Tensor, stamp: Stamp | None) -> int:
+        """Fill the rows of ``full`` (the padded (world_size * rows, row_numel) tensor) that ``wanted`` marks (one byte
+        a row, 1: fill it) from the ranks that hold them; ``shard``: this rank's (rows, row_numel). Every rank of the
+        group calls it alike (see [Note: an embedding's rows as they are looked up] in ``looked_up_rows.py``): the
+        marks ride in the stamps' gather, then each rank sends each peer the rows of its shard that peer wants.
+        Returns the rows received from peers."""
+        world_size, rank, rows = self.world_size, self.rank, shard.size(0)
+        every_rank_wants = self._exchange({}, {}, stamp, beside=wanted)()
+        mine = wanted.view(world_size, rows).bool()
+        outgoing, incoming, landings = {}, {}, []
+        for peer in range(world_size):
+            if peer != rank:
+                theirs = every_rank_wants[peer].view(world_size, rows)[rank].bool().nonzero().squeeze(1)
+                outgoing[peer] = [shard.index_select(0, theirs).to(full.dtype)]
+                index = mine[peer].nonzero().squeeze(1)
+                incoming[peer] = [full.new_empty(index.numel(), full.size(1))]
+                landings.append((peer, index, incoming[peer][0]))
+        self._exchange(outgoing, incoming, stamp)()
+        received = sum(index.numel() for _, index, _ in landings)
+        announce("all_gather", "gloo::point_to_point_gather_rows", payload((received, full.size(1)), full.dtype), 1)
+        own = mine[rank].nonzero().squeeze(1)
+        full[rank * rows : (rank + 1) * rows].index_copy_(0, own, shard.index_select(0, own).to(full.dtype))
+        for peer, index, arrived in landings:
+            full[peer * rows : (peer + 1) * rows].index_copy_(0, index, arrived)
+        return received
 
     def _tag(self, stamp: Stamp | None) -> int:
         """The messages' tag: the collective's identity, else the next number (ranks issue collectives in order)."""

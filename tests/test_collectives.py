@@ -150,6 +150,19 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
                 rest = reduced[offset + 3 :]
                 assert torch.equal(rest[: mine.numel()], mine.reshape(-1)), f"rows summed: {case}"
                 assert torch.equal(rest[mine.numel() :], torch.zeros(2 * sparse_layout.row_numel)), case
+            if transport.gathers_rows:  # an embedding's rows as they are looked up: only the wanted rows, exactly
+                table = torch.arange(27.0).view(9, 3)
+                padded = torch.zeros(world_size * sparse_layout.chunk_rows, 3)
+                padded[:9] = table
+                shard = padded.view(world_size, -1, 3)[rank]
+                full = torch.full_like(padded, float("nan"))
+                wanted = torch.zeros(padded.size(0), dtype=torch.uint8)
+                wanted[[rank, 8 - rank, 6]] = 1
+                received = transport.gather_rows(wanted, shard, full, stamp)
+                assert torch.equal(full[wanted.bool()], padded[wanted.bool()]), case
+                assert full[~wanted.bool()].isnan().all(), f"only the wanted rows are filled: {case}"
+                own = wanted.view(world_size, -1)[rank].sum().item()
+                assert received == wanted.sum().item() - own, case
             # All-reduce of packed flat tensors into a tensor of its own.
             flats = [torch.full((5,), float(rank)), torch.full((3,), 1.0)]
             summed = transport.all_reduce(flats, torch.float32, stamp).wait()

@@ -4,14 +4,15 @@ model (what crosses the link, in bytes, is measured in ``test_simulated_link.py`
 
 from __future__ import annotations
 
-import dataclasses
-
 import copy
+import dataclasses
+import math
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from lightning_fsdp import CrossHostPrecision, fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
@@ -25,7 +26,7 @@ from lightning_fsdp.engine.transport.ledger import DIGEST_BITS
 from lightning_fsdp.engine.transport.link import LinkTransport
 from lightning_fsdp.engine.transport.shm import SharedMemoryTransport
 from tests.distributed import run_distributed
-from tests.engine_harness import TINY_GPT, Run, initialize, make_optimizer, run_parity
+from tests.engine_harness import TINY_GPT, Run, assert_same_weights, initialize, make_optimizer, run_parity
 
 # An untied embedding of many more rows than one step's tokens: its gradient is mostly zero rows (see [Note: an
 # embedding's rows between hosts] in lightning_fsdp/engine/sparse_rows.py).
@@ -235,6 +236,95 @@ def _all_checks(rank: int, world_size: int) -> None:
 
 def test_transports_follow_the_hosts_and_host_resharding_stays_inside() -> None:
     run_distributed(_all_checks, 4, timeout=300)
+
+
+# ----- an embedding's rows as they are looked up (two hosts of one rank) -------------------------------------------
+
+
+class TwoLookups(nn.Module):
+    """One embedding looked up twice in a forward, each time with other ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 6)
+        self.head = nn.Linear(6, 64)
+
+    def forward(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(first) + self.embed(second)).logsumexp(dim=-1).mean()
+
+
+def _rows_looked_up_are_what_crosses(rank: int, world_size: int) -> None:
+    """The root's training gather leaves the embeddings out; each lookup gathers the rows it reads from their owner
+    (ids below 40: all on rank 0, whose shard holds rows 0-254); evaluation gathers them whole."""
+    _claim_host(rank, 1)
+    model = GPT(UNTIED_GPT)
+    fully_shard(model, {Block})
+    tokens = torch.randint(0, 40, (2, UNTIED_GPT.block_size + 1), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        with CollectiveCounter() as counter:
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+    params = {param.fqn: param for param in unit_of(model).params}
+    wte, wpe = params["wte.weight"], params["wpe.weight"]
+    root_gather = counter.events[0]
+    assert root_gather.numel == sum(p.layout.shard_numel for p in params.values()) - (
+        wte.layout.shard_numel + wpe.layout.shard_numel
+    ), "the root's gather leaves both embeddings to their lookups"
+    rows = [e.numel for e in counter.events if e.op == "gloo::point_to_point_gather_rows"]
+    ids = tokens[:, :-1].unique().numel()
+    # wte: rank 1 receives every row its ids name, rank 0 none; wpe: every position, half of them from the peer
+    assert rows == [(ids if rank == 1 else 0) * wte.layout.row_numel, 8 * wpe.layout.row_numel], rows
+    with torch.no_grad(), CollectiveCounter() as counter:
+        model(tokens[:, :-1], tokens[:, 1:])
+    assert counter.events[0].numel == sum(p.layout.shard_numel for p in params.values()), "evaluation: whole"
+    assert not [e for e in counter.events if e.op == "gloo::point_to_point_gather_rows"]
+
+
+def _whole_table_reads_are_loud(rank: int, world_size: int) -> None:
+    """A forward that reads the embedding's weight itself sees NaN in the rows no lookup named, unless
+    ``gather_embedding_by_rows=False`` gathers it whole."""
+    _claim_host(rank, 1)
+    tokens = torch.randint(0, 40, (2, UNTIED_GPT.block_size + 1), generator=torch.Generator().manual_seed(rank))
+    losses = {}
+    for by_rows in (True, False):
+        torch.manual_seed(0)
+        model = GPT(UNTIED_GPT)
+        fully_shard(model, {Block}, gather_embedding_by_rows=by_rows)
+        loss = model(tokens[:, :-1], tokens[:, 1:]) + 1e-3 * model.wte.weight.square().sum()
+        loss.backward()
+        losses[by_rows] = loss.item()
+    assert math.isnan(losses[True]) and math.isfinite(losses[False]), losses
+
+
+def _two_lookups_train_as_the_unsharded_model(rank: int, world_size: int) -> None:
+    _claim_host(rank, 1)
+    torch.manual_seed(0)
+    reference = TwoLookups()
+    model = fully_shard(copy.deepcopy(reference))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        first, second = torch.randint(0, 64, (2, world_size * 3, 5), generator=data)
+        local = slice(rank * 3, (rank + 1) * 3)
+        model(first[local], second[local]).backward()
+        sum(reference(first[r * 3 : (r + 1) * 3], second[r * 3 : (r + 1) * 3]) for r in range(world_size)).div(
+            world_size
+        ).backward()
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    assert [rows.param.fqn for rows in unit_of(model).looked_up] == ["embed.weight"]
+    assert_same_weights(model, reference, "an embedding looked up twice")
+
+
+def _looked_up_rows_checks(rank: int, world_size: int) -> None:
+    _rows_looked_up_are_what_crosses(rank, world_size)
+    _whole_table_reads_are_loud(rank, world_size)
+    _two_lookups_train_as_the_unsharded_model(rank, world_size)
+
+
+def test_an_embedding_crosses_hosts_by_the_rows_it_looks_up() -> None:
+    run_distributed(_looked_up_rows_checks, 2, timeout=300)
 
 
 # ----- fewer bits between hosts -----------------------------------------------------------------------------------

@@ -144,6 +144,7 @@ def test_an_unsupported_precision(precision: str) -> None:
         ),
         ({"cross_host_precision": "fp8"}, ["cross_host_precision='fp8' is not supported", "'int8'"]),
         ({"cross_host_precision": {"gather": "fp8"}}, ["CrossHostPrecision.gather='fp8' is not supported"]),
+        ({"gather_embedding_by_rows": "no"}, ["gather_embedding_by_rows must be True or False"]),
     ],
 )
 def test_every_argument_is_checked(kwargs: dict, fragments: list[str]) -> None:
@@ -185,6 +186,10 @@ def test_the_arguments_between_hosts_reach_the_engine_from_a_config() -> None:
         assert options["reshard_after_forward"] == 2
         assert options["cross_host_precision"] == (expected or CrossHostPrecision(gather="bf16"))
     assert "reshard_after_forward" not in FSDPStrategy()._engine_options()
+    args = ["--strategy.gather_embedding_by_rows", "false"]
+    strategy = parser.instantiate(parser.parse_args(args)).strategy
+    assert strategy._engine_options()["gather_embedding_by_rows"] is False
+    assert "gather_embedding_by_rows" not in FSDPStrategy()._engine_options()
 
 
 def test_lightning_forms_of_the_arguments() -> None:

@@ -3,6 +3,7 @@ run as root inside a network namespace of its own (``tests/test_simulated_link.p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -22,7 +23,7 @@ from tests.distributed import run_distributed  # noqa: E402
 from tests.simulated_link import HostLink, install_link  # noqa: E402
 
 # Large enough that what a step moves dwarfs the connections' own traffic, small enough for seconds a case.
-MODEL = GPTConfig(vocab_size=512, block_size=32, n_layer=3, n_head=4, n_embd=64)
+MODEL = GPTConfig(vocab_size=512, block_size=32, n_layer=5, n_head=4, n_embd=64)
 WARMUP, STEPS = 2, 3
 CASES = {
     4: {
@@ -33,8 +34,10 @@ CASES = {
         "full_shard_bf16": {"cross_host_precision": "bf16"},
         "full_shard_without_shared_memory": {},  # the control: the inside class sees what goes over TCP in a host
     },
-    2: {"full_shard": {}, "full_shard_kept": {"reshard_after_forward": 1}},
+    2: {"full_shard": {}, "full_shard_kept": {"reshard_after_forward": 1}, "full_shard_untied": {}},
 }
+# The cases of another model: an untied embedding crosses by the rows its lookups and its gradient touch.
+CONFIGS = {"full_shard_untied": dataclasses.replace(MODEL, tie_weights=False)}
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
@@ -55,7 +58,7 @@ def _rank(rank: int, world_size: int, out: str) -> None:
     for case, shard in CASES[world_size].items():
         os.environ[SHARED_MEMORY_SWITCH] = "0" if case.endswith("without_shared_memory") else "1"
         torch.manual_seed(0)
-        model = GPT(MODEL)
+        model = GPT(CONFIGS.get(case, MODEL))
         fully_shard(model, {Block}, **shard)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         for _ in range(WARMUP):  # every connection of the case exists after its first step
@@ -79,6 +82,7 @@ def _rank(rank: int, world_size: int, out: str) -> None:
             "crossed_per_step_per_host": (crossed_after - crossed) / STEPS / 2,
             "inside_per_step_per_host": (inside_after - inside) / STEPS / 2,
             "root_bytes": sum(p.layout.padded_numel * 4 for p in root.params),
+            "embedding_bytes": sum(p.layout.padded_numel * 4 for p in root.params if p.fqn == "wte.weight"),
             "block_bytes": [sum(p.layout.padded_numel * 4 for p in u.params) for u in root.context.units[1:]],
         }
     if rank == 0:

@@ -32,7 +32,7 @@ What that assumes, and how it is kept:
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -40,15 +40,27 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_fsdp.engine.param import FSDPParam
 from lightning_fsdp.engine.step_stats import STEP_STATS
+from lightning_fsdp.engine.transport import Transport
+from lightning_fsdp.engine.transport.ledger import Stamp
 
-if TYPE_CHECKING:
-    from lightning_fsdp.engine.unit import FSDPUnit
+
+class Unit(Protocol):
+    """What a lookup needs of the unit that holds the weight (``FSDPUnit``)."""
+
+    name: str
+
+    @property
+    def shows_full_params(self) -> bool: ...
+
+    def stamp(self, kind: str, numel: int, dtype: torch.dtype) -> Stamp | None: ...
+
+    def transport(self) -> Transport: ...
 
 
 class LookedUpRows:
     """One embedding weight of a unit whose full tensor is filled row by row, by the lookups of one gather."""
 
-    def __init__(self, unit: FSDPUnit, fsdp_param: FSDPParam) -> None:
+    def __init__(self, unit: Unit, fsdp_param: FSDPParam) -> None:
         self.unit = unit
         self.param = fsdp_param
         self.active = False  # this gather left the weight out: lookups fill it

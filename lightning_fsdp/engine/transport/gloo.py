@@ -248,7 +248,9 @@ class GlooTransport(Transport):
                 landings.append((peer, index, incoming[peer][0]))
         self._exchange(outgoing, incoming, stamp)()
         received = sum(index.numel() for _, index, _ in landings)
-        announce("all_gather", "gloo::point_to_point_gather_rows", payload((received, full.size(1)), full.dtype), 1)
+        announce(
+            "all_gather", "gloo::point_to_point_gather_rows", payload((received, full.size(1)), full.dtype), world_size
+        )
         own = mine[rank].nonzero().squeeze(1)
         full[rank * rows : (rank + 1) * rows].index_copy_(0, own, shard.index_select(0, own).to(full.dtype))
         for peer, index, arrived in landings:

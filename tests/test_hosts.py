@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fsdp import CrossHostPrecision, fully_shard, summon_full_params
-from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
+from lightning_fsdp import CrossHostPrecision, MixedPrecision, fully_shard, summon_full_params
+from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig, GPTEmbedding
 from lightning_fsdp.engine.options import ShardingStrategy, parse_reshard_after_forward
 from lightning_fsdp.engine.registry import unit_of, units_under
 from lightning_fsdp.engine.step_stats import STEP_STATS
@@ -106,6 +106,8 @@ def _exact_runs(per_host: int) -> list[Run]:
         runs += [
             Run(shard={"sharding_strategy": "FULL_SHARD"}, config=UNTIED_GPT, steps=4),
             Run(shard={"forward_prefetch": True}, config=UNTIED_GPT, steps=3, accumulate=2, skip_sync=True),
+            # the embeddings as units of their own: nothing left to gather but the rows their lookups read
+            Run(shard={"policy": {Block, GPTEmbedding}}, config=UNTIED_GPT, steps=3),
         ]
     if per_host > 1:
         runs += [
@@ -279,6 +281,24 @@ def _rows_looked_up_are_what_crosses(rank: int, world_size: int) -> None:
     assert not [e for e in counter.events if e.op == "gloo::point_to_point_gather_rows"]
 
 
+def _rows_looked_up_are_the_whole_gathers_bits(rank: int, world_size: int) -> None:
+    """Gathered by rows or whole, the same loss and the same gradients, to the bit, in fp32 and under bf16 mixed
+    precision (whose rows are cast as the whole gather casts them)."""
+    _claim_host(rank, 1)
+    tokens = torch.randint(0, 40, (2, UNTIED_GPT.block_size + 1), generator=torch.Generator().manual_seed(rank))
+    for precision in (None, MixedPrecision(param_dtype=torch.bfloat16)):
+        results = []
+        for by_rows in (True, False):
+            torch.manual_seed(0)
+            model = GPT(UNTIED_GPT)
+            fully_shard(model, {Block}, mixed_precision=precision, gather_embedding_by_rows=by_rows)
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        (loss, grads), (whole_loss, whole_grads) = results
+        assert torch.equal(loss, whole_loss) and all(map(torch.equal, grads, whole_grads)), precision
+
+
 def _whole_table_reads_are_loud(rank: int, world_size: int) -> None:
     """A forward that reads the embedding's weight itself sees NaN in the rows no lookup named, unless
     ``gather_embedding_by_rows=False`` gathers it whole."""
@@ -319,6 +339,7 @@ def _two_lookups_train_as_the_unsharded_model(rank: int, world_size: int) -> Non
 
 def _looked_up_rows_checks(rank: int, world_size: int) -> None:
     _rows_looked_up_are_what_crosses(rank, world_size)
+    _rows_looked_up_are_the_whole_gathers_bits(rank, world_size)
     _whole_table_reads_are_loud(rank, world_size)
     _two_lookups_train_as_the_unsharded_model(rank, world_size)
 

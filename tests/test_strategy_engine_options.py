@@ -32,6 +32,7 @@ CASES = {
     "sync_module_states": SHARDED,
     "rank_seeded_without_sync": SHARDED,  # rank 0's values taken without the option too, as DDP does
     "manual_two_optimizers": 4122,  # the first optimizer: the blocks only; compared with ddp_manual
+    "two_hosts_untied": 5400,  # the untied head's rows too; compared with ddp_untied
 }
 
 
@@ -43,7 +44,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def max_error(results: Path, case: str) -> float:
-    reference_case = {"manual": "ddp_manual", "pretrained": "ddp_pretrained"}.get(case.split("_")[0], "ddp")
+    references = {"manual": "ddp_manual", "pretrained": "ddp_pretrained", "two": "ddp_untied"}
+    reference_case = references.get(case.split("_")[0], "ddp")
     ours, reference = torch.load(results / f"{case}.pt"), torch.load(results / f"{reference_case}.pt")
     assert ours.keys() == reference.keys()
     return max(((ours[k] - reference[k]).abs().max() / (reference[k].abs().max() + ATOL / RTOL)).item() for k in ours)
@@ -56,8 +58,18 @@ def test_engine_option_matches_ddp(results: Path, case: str, optimizer_numel: in
     assert record["built_on_meta"] == (case in ("init_module_empty_init", "configure_model_empty_init"))
     if case in ("default_policy", "pretrained_in_configure_model"):
         assert record["units"] == 1 + TINY.n_layer  # no policy given: the root and one unit per Block
+    # Only between hosts is an embedding gathered by the rows its lookups read (the untied input embedding, and the
+    # position embedding, whose every row a step reads).
+    assert record["looked_up"] == (["model.wpe.weight", "model.wte.weight"] if case == "two_hosts_untied" else [])
     error = max_error(results, case)
     assert error < RTOL, f"[{case}] relative error {error:.2e} against DDP"
+
+
+def test_validation_between_hosts_sees_ddp_s_loss(results: Path) -> None:
+    """Validation gathers the embedding whole (no lookup of rows there): its loss is DDP's on the same weights."""
+    ours = json.loads((results / "two_hosts_untied.json").read_text())["val_loss"]
+    reference = json.loads((results / "ddp_untied.json").read_text())["val_loss"]
+    assert ours == pytest.approx(reference, rel=RTOL)
 
 
 def test_pretrained_weights_set_in_configure_model_survive(results: Path) -> None:

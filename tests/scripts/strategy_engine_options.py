@@ -14,7 +14,10 @@ OUT_DIR/<case>.pt:
 - sync_module_states: each rank starts from its own seed, and rank 0's weights must win, as DDP's do; without the
   option too (rank_seeded_without_sync): the engine finds the values differ and takes rank 0's, as DDP does;
 - manual optimization with two optimizers, two forwards and two backwards in one training_step (a GAN's shape),
-  against DDP doing the same (ddp_manual).
+  against DDP doing the same (ddp_manual);
+- each rank a simulated host of its own (``LIGHTNING_FSDP_HOST``), the GPT untied: the gathers cross hosts, so the
+  input embedding is gathered by the rows its lookups read and its gradient sent by rows, with a validation at the
+  end, against DDP on the same untied GPT (ddp_untied).
 
 OUT_DIR/<case>.json records whether the model was on the meta device before setup, and how many elements the
 optimizer steps on rank 0.
@@ -24,15 +27,18 @@ Usage: python tests/scripts/strategy_engine_options.py OUT_DIR
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from typing import Any
 
 import lightning as L
 import torch
-from strategy_common import LitGPT, make_trainer, out_dir, token_loader, write_json
+from strategy_common import TINY, LitGPT, make_trainer, out_dir, token_loader, write_json
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.gpt import GPT, Block
 from lightning_fsdp.engine.registry import units_under
+from lightning_fsdp.engine.transport.hosts import HOST_SWITCH
 from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 STEPS = 4
@@ -72,6 +78,22 @@ class TwoOptimizers(LitGPT):
         return [torch.optim.AdamW(params, lr=self.lr, eps=1e-5, weight_decay=0.1) for params in (blocks, rest)]
 
 
+UNTIED = dataclasses.replace(TINY, tie_weights=False)
+
+
+class OnHostsOfItsOwn(LitGPT):
+    """The untied GPT, each rank claiming a simulated host of its own before the first forward picks transports."""
+
+    def __init__(self) -> None:
+        super().__init__(UNTIED)
+
+    def setup(self, stage: str) -> None:
+        os.environ[HOST_SWITCH] = f"simhost{self.global_rank}"
+
+    def teardown(self, stage: str) -> None:
+        os.environ.pop(HOST_SWITCH, None)
+
+
 def run(case: str, strategy: Any, build: str = "eager") -> None:
     L.seed_everything(0)
     trainer = make_trainer(strategy, max_steps=STEPS)
@@ -84,6 +106,10 @@ def run(case: str, strategy: Any, build: str = "eager") -> None:
         model = PretrainedInConfigureModel()
     elif build == "manual":
         model = TwoOptimizers()
+    elif build == "two_hosts":
+        model = OnHostsOfItsOwn()
+    elif build == "untied":
+        model = LitGPT(UNTIED)
     elif build == "rank_seeded":
         L.seed_everything(trainer.global_rank)  # different weights on each rank until rank 0's are broadcast
         model = LitGPT()
@@ -91,7 +117,9 @@ def run(case: str, strategy: Any, build: str = "eager") -> None:
     else:
         model = LitGPT()
     meta_before_fit = model.model is not None and next(model.parameters()).is_meta
-    trainer.fit(model, token_loader(STEPS * LOCAL_BATCH * 2, LOCAL_BATCH))
+    config = UNTIED if build in ("two_hosts", "untied") else TINY
+    validation = token_loader(4, LOCAL_BATCH, config, seed=2) if config is UNTIED else None
+    trainer.fit(model, token_loader(STEPS * LOCAL_BATCH * 2, LOCAL_BATCH, config), validation)
     state = trainer.strategy.lightning_module_state_dict() if not case.startswith("ddp") else model.state_dict()
     if trainer.global_rank == 0:
         torch.save(state, out_dir() / f"{case}.pt")
@@ -100,6 +128,8 @@ def run(case: str, strategy: Any, build: str = "eager") -> None:
         "built_on_meta": meta_before_fit or getattr(model, "built_on_meta", False),
         "optimizer_numel": sum(p.numel() for p in params),
         "units": len(units_under(model)),
+        "looked_up": sorted(rows.param.fqn for unit in units_under(model) for rows in unit.looked_up),
+        "val_loss": float(trainer.callback_metrics["val_loss"]) if validation is not None else None,
     }
     write_json(trainer, f"{case}.json", record)
 
@@ -123,6 +153,8 @@ def main() -> None:
     run("ddp_manual", "ddp", build="manual")
     run("manual_two_optimizers", FSDPStrategy(auto_wrap_policy=blocks), build="manual")
     run("rank_seeded_without_sync", FSDPStrategy(auto_wrap_policy=blocks), build="rank_seeded")
+    run("ddp_untied", "ddp", build="untied")
+    run("two_hosts_untied", FSDPStrategy(auto_wrap_policy=blocks), build="two_hosts")
 
 
 if __name__ == "__main__":

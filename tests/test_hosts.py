@@ -108,6 +108,8 @@ def _exact_runs(per_host: int) -> list[Run]:
             Run(shard={"forward_prefetch": True}, config=UNTIED_GPT, steps=3, accumulate=2, skip_sync=True),
             # the embeddings as units of their own: nothing left to gather but the rows their lookups read
             Run(shard={"policy": {Block, GPTEmbedding}}, config=UNTIED_GPT, steps=3),
+            # the kept units recomputed under activation checkpointing
+            Run(config=UNTIED_GPT, steps=3, checkpointing=True),
         ]
     if per_host > 1:
         runs += [

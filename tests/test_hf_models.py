@@ -9,6 +9,7 @@ exported with ``convert --to hf``, load back with ``from_pretrained`` and give t
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,9 @@ from lightning_fsdp.checkpoint.full import save_full_checkpoint
 from lightning_fsdp.checkpoint.pretrained import load_pretrained
 from lightning_fsdp.demos.lora import add_lora
 from lightning_fsdp.engine.deferred_init import check_initializable, materialize
+from lightning_fsdp.engine.registry import units_under
 from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.engine.transport.hosts import HOST_SWITCH
 from tests.distributed import run_distributed
 from tests.engine_harness import RTOL, max_relative_error
 
@@ -201,6 +204,30 @@ def _frozen_mixes_every_strategy(rank: int, world_size: int, strategies: tuple[s
 )
 def test_partly_frozen_units_train_with_parity(world_size: int, strategies: tuple[str, ...]) -> None:
     run_distributed(_frozen_mixes_every_strategy, world_size, strategies, timeout=400)
+
+
+def _between_hosts(rank: int, world_size: int) -> None:
+    """Each rank a simulated host of its own: Qwen2's untied ``embed_tokens`` is gathered by the rows its lookups read
+    (see [Note: an embedding's rows as they are looked up]); fine-tuning, whole and with LoRA on a frozen base, keeps
+    parity, and generation (evaluation forwards: the embedding gathered whole) gives the unsharded tokens."""
+    os.environ[HOST_SWITCH] = f"simhost{rank}"
+    family = FAMILIES["qwen2"]
+    for lora in (False, True):
+        reference = family.build(seed=0)
+        if lora:
+            add_lora(reference, ("q_proj", "v_proj"), rank=2)
+        model = fully_shard(copy.deepcopy(reference), {family.layer_class})
+        _train_side_by_side(model, reference, rank, world_size, f"qwen2 between hosts{' + LoRA' if lora else ''}")
+        looked_up = [rows.param.fqn for unit in units_under(model) for rows in unit.looked_up]
+        assert looked_up == ["model.embed_tokens.weight"], looked_up
+    prompt = torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(3 + rank))
+    options = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    with torch.no_grad():
+        assert model.generate(prompt, **options).tolist() == reference.generate(prompt, **options).tolist()
+
+
+def test_an_untied_embedding_between_hosts_trains_and_generates_as_unsharded() -> None:
+    run_distributed(_between_hosts, 2, timeout=200)
 
 
 def _generate_uneven(rank: int, world_size: int, folder_name: str) -> None:

@@ -238,24 +238,39 @@ class GlooTransport(Transport):
         world_size, rank, rows = self.world_size, self.rank, shard.size(0)
         every_rank_wants = self._exchange({}, {}, stamp, beside=wanted)()
         mine = wanted.view(world_size, rows).bool()
-        outgoing, incoming, landings = {}, {}, []
-        for peer in range(world_size):
-            if peer != rank:
-                theirs = every_rank_wants[peer].view(world_size, rows)[rank].bool().nonzero().squeeze(1)
-                outgoing[peer] = [shard.index_select(0, theirs).to(full.dtype)]
-                index = mine[peer].nonzero().squeeze(1)
-                incoming[peer] = [full.new_empty(index.numel(), full.size(1))]
-                landings.append((peer, index, incoming[peer][0]))
-        self._exchange(outgoing, incoming, stamp)()
-        received = sum(index.numel() for _, index, _ in landings)
+        peers = [peer for peer in range(world_size) if peer != rank]
+        sends = {peer: [(shard, _marked(every_rank_wants[peer].view(world_size, rows)[rank]))] for peer in peers}
+        lands = {peer: [(full[peer * rows : (peer + 1) * rows], _marked(mine[peer]))] for peer in peers}
+        received = self._exchange_rows(sends, lands, full.dtype, stamp)
         announce(
             "all_gather", "gloo::point_to_point_gather_rows", payload((received, full.size(1)), full.dtype), world_size
         )
-        own = mine[rank].nonzero().squeeze(1)
+        own = _marked(mine[rank])
         full[rank * rows : (rank + 1) * rows].index_copy_(0, own, shard.index_select(0, own).to(full.dtype))
-        for peer, index, arrived in landings:
-            full[peer * rows : (peer + 1) * rows].index_copy_(0, index, arrived)
         return received
+
+    def _exchange_rows(
+        self,
+        sends: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
+        lands: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
+        dtype: torch.dtype,
+        stamp: Stamp | None,
+    ) -> int:
+        """Send each peer, in ``dtype``, the rows ``index`` of every (rows, row_numel) ``source`` listed for it as
+        ``(source, index)``, and receive from each peer the rows ``index`` of every ``(dest, index)`` listed for it
+        (a peer's indices for this rank are this rank's for it, in the same order). Returns the rows received."""
+        outgoing = {
+            peer: [source.index_select(0, index).to(dtype) for source, index in pairs] for peer, pairs in sends.items()
+        }
+        incoming = {
+            peer: [dest.new_empty(index.numel(), dest.size(1)) for dest, index in pairs]
+            for peer, pairs in lands.items()
+        }
+        self._exchange(outgoing, incoming, stamp)()
+        for peer, pairs in lands.items():
+            for (dest, index), rows in zip(pairs, incoming[peer], strict=True):
+                dest.index_copy_(0, index, rows)
+        return sum(index.numel() for pairs in lands.values() for _, index in pairs)
 
     def _tag(self, stamp: Stamp | None) -> int:
         """The messages' tag: the collective's identity, else the next number (ranks issue collectives in order)."""
@@ -365,7 +380,7 @@ class GlooTransport(Transport):
         def finish() -> torch.Tensor:
             every_ranks_marks = messages()
             if every_ranks_marks is not None:
-                self._exchange_touched_rows(sparse, every_ranks_marks.amax(dim=0), stamp)
+                self._exchange_touched_rows(sparse, every_ranks_marks.amax(dim=0), dtype, stamp)
             result = torch.empty(columns, dtype=result_dtype, device=device)
             if kept is not None:
                 collectives.sum_own_row(kept, rank, list(arrived.unbind(0)), 1.0, result)
@@ -377,26 +392,22 @@ class GlooTransport(Transport):
 
         return Pending(finish)
 
-    def _exchange_touched_rows(self, sparse: list[SparseRows], union: torch.Tensor, stamp: Stamp | None) -> None:
+    def _exchange_touched_rows(
+        self, sparse: list[SparseRows], union: torch.Tensor, dtype: torch.dtype, stamp: Stamp | None
+    ) -> None:
         """The second exchange of a reduce-scatter between hosts: of each row-sparse gradient, the rows of each peer's
         row that some rank touched (``union``: one byte a row, every rank's marks combined), received into this rank's
-        arrived rows, whose other rows are zero on every rank (see [Note: an embedding's rows in a reduce-scatter])."""
-        outgoing: dict[int, list[torch.Tensor]] = {}
-        incoming: dict[int, list[torch.Tensor]] = {}
-        landings = []
+        arrived rows, whose other rows are zero on every rank (see [Note: an embedding's rows in a reduce-scatter]);
+        ``dtype``: the wire's."""
+        sends: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        lands: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for part, touched in zip(sparse, union.split([self.world_size * part.rows for part in sparse]), strict=True):
-            by_owner = touched.view(self.world_size, -1).bool()
-            mine = by_owner[self.rank].nonzero().squeeze(1)
+            by_owner = touched.view(self.world_size, -1)
+            mine = _marked(by_owner[self.rank])
             for peer, source in part.to_peers.items():
-                theirs = by_owner[peer].nonzero().squeeze(1)
-                outgoing.setdefault(peer, []).append(source.view(-1, part.row_numel).index_select(0, theirs))
-                landing = part.from_peers[peer].view(-1, part.row_numel).zero_()
-                rows = landing.new_empty(mine.numel(), part.row_numel)
-                incoming.setdefault(peer, []).append(rows)
-                landings.append((landing, mine, rows))
-        self._exchange(outgoing, incoming, stamp)()
-        for landing, index, rows in landings:
-            landing.index_copy_(0, index, rows)
+                sends.setdefault(peer, []).append((source.view(-1, part.row_numel), _marked(by_owner[peer])))
+                lands.setdefault(peer, []).append((part.from_peers[peer].view(-1, part.row_numel).zero_(), mine))
+        self._exchange_rows(sends, lands, dtype, stamp)
 
     def _reduce_scatter_chunked(
         self,
@@ -499,6 +510,11 @@ def _pipelined(
             land(in_flight.popleft())
 
     return rest
+
+
+def _marked(marks: torch.Tensor) -> torch.Tensor:
+    """The indices of the non-zero bytes of ``marks`` (one a row)."""
+    return marks.nonzero().squeeze(1)
 
 
 def _pieces(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -201,6 +201,20 @@ def _touched_rows(rank: int) -> torch.Tensor:
     return grad
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_row_is_touched_when_any_of_its_bits_is_set(dtype: torch.dtype) -> None:
+    """Rows of zeros are the only untouched ones: a denormal, a NaN, an infinity or a lone -0.0 marks its row (sending
+    a row of -0.0 adds nothing), whatever the dtype's width."""
+    rows = torch.zeros(7, 5, dtype=dtype)
+    rows[1, 4] = torch.finfo(dtype).tiny / 2  # below the smallest normal number
+    rows[2, 0] = float("nan")
+    rows[3, 2] = float("-inf")
+    rows[4, 3] = -0.0
+    rows[6] = 1.5
+    assert collectives.nonzero_rows(rows).tolist() == [False, True, True, True, True, False, True]
+    assert collectives.nonzero_rows(rows[:, 1:]).tolist() == [False, True, False, True, True, False, True]  # strided
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gather_unpack_and_reduce_scatter_round_trip(world_size: int) -> None:
     run_distributed(_check_gather_and_reduce, world_size)

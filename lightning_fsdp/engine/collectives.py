@@ -33,8 +33,19 @@ class RankRows(NamedTuple):
         marks = torch.zeros(world_size * self.columns // self.row_numel, dtype=torch.uint8, device=self.flat.device)
         if self.flat.numel():
             rows = self.flat.view(-1, self.row_numel)
-            torch.any(rows != 0, dim=1, out=marks[: rows.size(0)].view(torch.bool))
+            marks[: rows.size(0)] = nonzero_rows(rows)
         return marks
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def nonzero_rows(rows: torch.Tensor) -> torch.Tensor:
+    """One bool per row of the 2-D ``rows``: whether any of its elements has a bit set.
+
+    Read as integers of the same width, a row is tested in one pass (``!= 0`` first writes a boolean tensor the size
+    of the rows). A row of -0.0 counts as touched: it is then sent, and adds nothing."""
+    return torch.any(rows.view(_SAME_WIDTH_INT[rows.element_size()]), dim=1)
 
 
 def pack(tensors: list[torch.Tensor], out: torch.Tensor, start: int = 0) -> None:

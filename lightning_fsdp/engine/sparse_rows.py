@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from lightning_fsdp.engine.collectives import nonzero_rows
 from lightning_fsdp.engine.step_stats import STEP_STATS
 from lightning_fsdp.engine.transport.base import Pending, Transport
 from lightning_fsdp.engine.transport.ledger import Stamp
@@ -50,7 +51,7 @@ def sum_over_replicas_by_rows(
     """``transport.all_reduce([flat])``, with ``regions`` sent by their non-zero rows (see the Note). The result is
     ``flat`` itself, summed in place. The bytes sent are counted for ``unit`` in ``STEP_STATS``."""
     group, itemsize = transport.group, flat.dtype.itemsize
-    marks = torch.cat([(region.of(flat) != 0).any(dim=1) for region in regions]).to(torch.uint8)
+    marks = torch.cat([nonzero_rows(region.of(flat)) for region in regions]).to(torch.uint8)
     marks_work = dist.all_reduce(marks, op=dist.ReduceOp.MAX, group=group, async_op=True)
     dense = _dense_pieces(flat, regions)
     dense_sum = transport.all_reduce(dense, flat.dtype, stamp) if dense else None

@@ -93,10 +93,11 @@ class Stamp:
         bits = zlib.crc32(repr(self.values()).encode()) & ((1 << DIGEST_BITS) - 1)
         return torch.tensor([(bits >> i) & 1 for i in range(DIGEST_BITS)], dtype=dtype)
 
-    def verify(self, stamps: torch.Tensor, group: ProcessGroup | None) -> None:
-        """``stamps``: (world_size, STAMP_NUMEL), every rank's stamp for this collective; raise if one differs."""
+    def verify(self, stamps: torch.Tensor | list[list[int]], group: ProcessGroup | None) -> None:
+        """``stamps``: (world_size, STAMP_NUMEL), every rank's stamp for this collective (a tensor, or its rows as
+        lists of ints); raise if one differs."""
         mine = self.values()
-        for group_rank, values in enumerate(stamps.tolist()):
+        for group_rank, values in enumerate(stamps.tolist() if isinstance(stamps, torch.Tensor) else stamps):
             if values != mine:
                 rank = dist.get_global_rank(group, group_rank) if group is not None else group_rank
                 raise CollectiveMismatchError(

@@ -350,15 +350,17 @@ class SharedMemoryTransport(Transport):
         slots.release(slot)
 
     def stamp(self, slots: SlotSet, slot: int, stamp: Stamp | None) -> None:
-        """Write the identity of the collective this rank is about to publish in ``slot`` into its header."""
+        """Write the identity of the collective this rank is about to publish in ``slot`` into its header (plain
+        stores, as the counters: a tensor op per chunk costs more than the check it serves)."""
         if stamp is not None:
-            self._header(slots, self.rank, slot).copy_(stamp.as_tensor())
+            start = slots.start(slot) // 8
+            self.words[self.rank][start : start + STAMP_NUMEL] = stamp.values()
 
     def verify(self, slots: SlotSet, slot: int, stamp: Stamp | None) -> None:
         """Once every rank has published ``slot``: every rank's header of it must hold this rank's stamp."""
         if stamp is not None:
-            headers = [self._header(slots, rank, slot) for rank in range(self.world_size)]
-            stamp.verify(torch.stack(headers), self.group)
+            start = slots.start(slot) // 8
+            stamp.verify([words[start : start + STAMP_NUMEL] for words in self.words], self.group)
 
     def _publish(self, slots: SlotSet, slot: int, sequence: int, stamp: Stamp | None) -> None:
         """After writing this rank's data into ``slot``: its identity, the counter that announces both, and then the

@@ -233,13 +233,91 @@ def _check_a_large_root_streams_in_chunks(rank: int, world_size: int, stalled: b
     assert {kind: slots.slot_bytes for kind, slots in transport.slots.items()} == {"all_gather": slot, "reduce": slot}
     assert max(unit.send_bytes()["all_gather"] for unit in blocks) <= slot < blocks[0].send_bytes()["reduce_scatter"]
     assert root.send_bytes()["all_gather"] > 8 * bound, "the root's gather takes many chunks"
-    assert transport.resident_bytes == 64 + 5 * (64 + slot), "the segment does not grow with the root"
+    assert transport.homes.starts[0] == 64 + 5 * (64 + slot), "the rank's header and five slots, whatever the root"
+    shards = [p.layout.shard_numel * 4 for unit in units for p in unit.params]
+    assert [size for sizes in transport.homes.shards for size in sizes] == shards, "then every unit's shards"
+    assert transport.resident_bytes == transport.homes.end < transport.homes.starts[0] + sum(shards) + 4096 * (
+        len(shards) + 1
+    ), "each shard from a page of its own"
     assert [e.op for e in events if not e.op.startswith("shm::")] == [], "nothing over gloo"
     ops = [e.op for e in events]
     assert ops.count("shm::reduce_scatter") == len(units), ops
     gathered = {e.numel for e in events if e.op == "shm::all_gather"}
     assert root.send_bytes()["all_gather"] // 4 in gathered, "a chunked collective is announced once, whole"
     del os.environ[CHUNK_SWITCH], os.environ[shm.ENV_SWITCH]
+
+
+def _check_shards_live_at_home(rank: int, world_size: int) -> None:
+    """See [Note: shards that live in shared memory]: after the first forward every unit's shards are views of this
+    rank's segment and a gather packs nothing; SGD steps them there to the unsharded model's values; a shard whose
+    ``.data`` was replaced is gathered from its new value; and a rank that writes its shards right after an evaluation
+    forward does so only once the slowest peer has read them."""
+    config = GPTConfig(vocab_size=61, block_size=8, n_layer=2, n_head=2, n_embd=8, tie_weights=False)
+    torch.manual_seed(0)
+    reference = GPT(config)
+    torch.manual_seed(0)
+    model = fully_shard(GPT(config), {Block})
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, model)]
+    tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=torch.Generator().manual_seed(1))
+    packed: list[int] = []
+    real_pack = collectives.pack
+
+    def counted_pack(tensors: list[torch.Tensor], out: torch.Tensor, start: int = 0) -> None:
+        packed.append(out.numel())
+        real_pack(tensors, out, start)
+
+    def train_step() -> None:
+        for m, optimizer in zip((reference, model), optimizers, strict=True):
+            m(tokens[:, :-1], tokens[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    train_step()
+    transport = units_under(model)[0].transport()
+    assert isinstance(transport, SharedMemoryTransport)
+    for unit, homes in zip(units_under(model), transport.home_shards, strict=True):
+        for fsdp_param, home in zip(unit.params, homes, strict=True):
+            name = fsdp_param.fqn
+            assert fsdp_param.sharded.data_ptr() == home.data_ptr(), f"{name} lives in this rank's segment"
+            padded = fsdp_param.layout.shard_numel * 4
+            assert fsdp_param.sharded.untyped_storage().nbytes() == padded, f"{name}: a storage of its own"
+    collectives.pack = counted_pack
+    try:
+        train_step()
+    finally:
+        collectives.pack = real_pack
+    assert packed == [], "no gather packed its shards"
+    assert _open_segment_descriptors() == [], "mapping the shards left no descriptor open"
+    block = units_under(model)[1].params[0]
+    with torch.no_grad():  # a user's new tensor for one shard, and the same change to the unsharded model
+        block.sharded.data = block.sharded.detach() * 2
+        reference.get_parameter(block.fqn).mul_(2)
+    train_step()
+    with summon_full_params(model):
+        for (name, full), (_, expected) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+            torch.testing.assert_close(full, expected, rtol=1e-5, atol=1e-6, msg=name)
+
+    if rank == 1:  # this rank reads the others' shards long after they published them
+        real_unpack = collectives.unpack_all_gather
+
+        def slow_unpack(*args: object) -> None:
+            time.sleep(0.3)
+            real_unpack(*args)
+
+        collectives.unpack_all_gather = slow_unpack
+    with torch.no_grad():
+        expected_loss = reference(tokens[:, :-1], tokens[:, 1:])
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        for m in (reference, model):  # written at once on the ranks that finished first
+            for param in m.parameters():
+                param.add_(1.0)
+    if rank == 1:
+        collectives.unpack_all_gather = real_unpack
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_shards_live_in_shared_memory_and_are_written_only_once_read() -> None:
+    run_distributed(_check_shards_live_at_home, 2)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

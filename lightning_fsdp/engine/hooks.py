@@ -210,11 +210,13 @@ class RootContext:
         for unit in self.units:
             _add_needs(needs, unit)
         precision = root.options.cross_host_precision
+        shard_homes = tuple(sizes for sizes in (unit.shard_home_bytes() for unit in self.units) if sizes)
         for group in (root.shard_group, root.replicate_group):
             if id(group) not in self.transports:
-                need = needs[id(group)]
-                self.transports[id(group)] = choose_transport(group, root.compute_device(), need, precision)
+                need, homes = needs[id(group)], shard_homes if group is root.shard_group else ()
+                self.transports[id(group)] = choose_transport(group, root.compute_device(), need, precision, homes)
         for unit in self.units:
+            unit.keep_shards_at_home(self.transports[id(unit.shard_group)])
             unit.resolve_after_forward(self.transports[id(unit.shard_group)])
             unit.choose_looked_up_rows(self.transports[id(unit.shard_group)])
         self.gathers_cross_hosts = self.transports[id(root.shard_group)].crosses_hosts

@@ -201,6 +201,15 @@ class FSDPParam:
             self._padded_shard[: self.sharded.numel()].copy_(self.flat(self.sharded.detach()))
         return self._padded_shard.to(self.compute_device, non_blocking=True)
 
+    def move_shard_to(self, home: torch.Tensor) -> None:
+        """Keep the padded shard in ``home`` (1-D, its numel and dtype) from now on: the registered shard becomes a
+        view of it (the same Parameter, so the optimizer's hold on it and its state stay), and the optimizer steps it
+        there. See [Note: shards that live in shared memory] in ``transport/shm.py``."""
+        with torch.no_grad():
+            home.copy_(self.padded_shard)
+        self._padded_shard = home
+        self.sharded.data = self.laid_out(home[: self.sharded.numel()], self.sharded.shape)
+
     @property
     def unsharded_buffer(self) -> torch.Tensor:
         """The padded full buffer the all-gather output is copied into (a ``.data`` alias; no version bumps)."""

@@ -235,6 +235,28 @@ class FSDPUnit:
         if transport.gathers_rows and self.options.gather_embedding_by_rows and not self.is_whole:
             self.looked_up = [LookedUpRows(self, p) for p in self.params if looks_up_rows_only(p)]
 
+    def shard_home_bytes(self) -> tuple[int, ...]:
+        """The bytes of each of this unit's padded shards where a transport may keep them (see [Note: shards that
+        live in shared memory] in ``transport/shm.py``): on the CPU and gathered in their own dtype; () otherwise."""
+        if self.is_whole or not self.params or self.world_size < 2:
+            return ()
+        dtype = self.params[0].sharded.dtype
+        on_cpu = all(p.sharded.device.type == "cpu" and p.compute_device.type == "cpu" for p in self.params)
+        same_dtype = all(p.sharded.dtype == dtype for p in self.params)
+        sizes = tuple(p.layout.shard_numel * dtype.itemsize for p in self.params)
+        if not (on_cpu and same_dtype and all(sizes)) or (self.options.mixed_precision.param_dtype or dtype) != dtype:
+            return ()
+        return sizes
+
+    def keep_shards_at_home(self, transport: Transport) -> None:
+        """Move the shards into the home ``transport`` has for them, if it has one."""
+        if not self.shard_home_bytes():
+            return
+        dtype = self.params[0].sharded.dtype
+        homes = transport.home_for_shards([p.layout.shard_numel for p in self.params], dtype)
+        for fsdp_param, home in zip(self.params, homes or [], strict=False):
+            fsdp_param.move_shard_to(home)
+
     @property
     def needs_gather(self) -> bool:
         """Whether the full parameters are neither gathered nor on their way."""

@@ -35,6 +35,7 @@ def choose_transport(
     device: torch.device,
     send_bytes: dict[str, int],
     cross_host_precision: CrossHostPrecision | None = None,
+    shard_homes: tuple[tuple[int, ...], ...] = (),
 ) -> Transport:
     """The fastest transport every rank of ``group`` can use, chosen alike on every rank (a collective: the ranks'
     hosts are compared, see [Note: host identity] in ``hosts.py``), and logged once with the reason no faster one was
@@ -42,6 +43,8 @@ def choose_transport(
 
     ``send_bytes``: the largest send buffer of each collective kind the units will issue over ``group`` (what the
     shared-memory slots must hold). ``cross_host_precision``: what crosses between hosts in fewer bits.
+    ``shard_homes``: the bytes of each shard of each unit, for shared memory to keep (see [Note: shards that live in
+    shared memory] in ``shm.py``).
     """
     if group is None or group.size() == 1:
         return SingleRank(None)
@@ -53,7 +56,7 @@ def choose_transport(
         return chosen
     layout = HostLayout.of(group)
     if layout.single_host:
-        shared, reason = SharedMemoryTransport.create(group, send_bytes)
+        shared, reason = SharedMemoryTransport.create(group, send_bytes, shard_homes)
         chosen = shared if shared is not None else standalone_transport(group, device)
     elif layout.host_major and (layout.ranks_per_host or 0) > 1:
         chosen = HierarchicalTransport.create(group, layout, send_bytes, cross_host_precision)

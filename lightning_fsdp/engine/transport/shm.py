@@ -45,6 +45,26 @@ collective written there (see [Note: collective identity] in ``ledger.py``): a r
 is named at once instead of read.
 Set ``LIGHTNING_FSDP_SHARED_MEMORY=0`` to keep everything on gloo.
 
+[Note: shards that live in shared memory] A gather through a slot copies this rank's shards into it first, and its
+chunks are read while the gather is issued, so the issuing rank waits there for the others. But a unit's shards are
+the same bytes every time, so each unit that gathers through this transport keeps them in a *home* of its own in
+this rank's segment (``home_for_shards``): the parameters' shards become tensors whose memory is there, and the
+optimizer steps them there. A gather of a unit whose shards are at home packs nothing and publishes at once, and its
+``wait`` copies every rank's shards into the unsharded buffers. Homes are laid out after the slots in the order the
+units claim them (the same on every rank, so every rank finds a peer's shard at its own shard's offset): a header
+per home (the stamp, a counter that says which gather has published it and one that says which this rank has read),
+then each shard from a page boundary of its own, which this rank maps once more, alone (``_map_range``): a shard's
+storage is its own bytes, not the segment, so copying one (``copy.deepcopy``, DCP's staging) copies that shard only.
+Measured on ``../shared/bench`` at 2 hosts x 2 ranks, HYBRID with bf16 between hosts: 0.437-0.450 x DDP's step before,
+0.412 after (``benchmarks/README.md``).
+
+A home's bytes change when the optimizer steps them (or a checkpoint is loaded into them), which a rank does only
+after its forward or backward has returned; a peer must not be reading them then. So the end of a step (``end_step``:
+after a backward, or a forward without one) waits until every peer has read every gather this rank's homes
+published. After a backward that wait costs nothing: a peer reads a unit's gather before its backward of the unit,
+so before its reduction of it, which this rank has waited for. A gather whose shards are not at home (a cast to
+another dtype, host rows of ``hierarchical.py``) goes through the slots as before.
+
 [Note: segment lifetime] A segment is an anonymous memory file (``memfd_create``), never a file in ``/dev/shm``:
 other ranks open it through ``/proc/<pid>/fd/<fd>`` of its creator, and the creator closes that descriptor as soon
 as every rank has mapped it. The memory then lives exactly as long as the processes that map it, and a rank killed
@@ -56,8 +76,11 @@ falls back to gloo), not a SIGBUS mid-training.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
@@ -195,6 +218,55 @@ class SlotSet:
         return self.offset + slot * self.stride
 
 
+_PAGE = mmap.PAGESIZE
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_LIBC.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_range(fd: int, offset: int, nbytes: int) -> torch.Tensor:
+    """Bytes ``[offset, offset + nbytes)`` of the memory file ``fd`` (page-aligned ``offset``), mapped shared as a
+    uint8 tensor whose storage is exactly those bytes, unmapped once nothing holds it. Python's own ``mmap`` would
+    keep a duplicate of ``fd`` open for as long (see [Note: segment lifetime]), ``torch.from_file`` maps a file
+    from its start only."""
+    address = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, offset)
+    if address in (None, _MAP_FAILED):
+        raise OSError(ctypes.get_errno(), f"mmap of {nbytes} bytes of a shared-memory segment failed")
+    mapped = type("MappedBytes", (ctypes.c_char * nbytes,), {}).from_address(address)
+    weakref.finalize(mapped, _LIBC.munmap, address, nbytes)
+    with torch.inference_mode(False):  # see _map
+        return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+class Homes:
+    """The homes of the units' shards (see [Note: shards that live in shared memory]) in every segment: after byte
+    ``offset``, a header per home, then every shard's bytes from a page boundary of its own (so that this rank maps
+    each shard as a storage of its own: a copy of one -- ``copy.deepcopy``, DCP's staging -- copies that shard only).
+    ``shards[i]``: the bytes of home i's shards; ``last_use[i]``: the sequence number of home i's latest gather (0:
+    none yet)."""
+
+    def __init__(self, offset: int, shards: tuple[tuple[int, ...], ...]) -> None:
+        self.shards = shards
+        self.starts = [offset + home * HEADER_BYTES for home in range(len(shards))]
+        offset += len(shards) * HEADER_BYTES
+        self.offsets: list[list[int]] = []  # where each shard's bytes begin
+        for sizes in shards:
+            self.offsets.append([])
+            for size in sizes:
+                offset = -(-offset // _PAGE) * _PAGE
+                self.offsets[-1].append(offset)
+                offset += size
+        self.end = offset
+        self.last_use = [0] * len(shards)
+        self.claimed = 0  # homes handed out so far, in order
+
+    def start(self, home: int) -> int:
+        """Byte offset of ``home``'s header in a segment."""
+        return self.starts[home]
+
+
 class SharedMemoryTransport(Transport):
     """Every rank of ``group`` maps every other rank's segment: a set of slots for all-gathers, one for reductions.
 
@@ -206,7 +278,13 @@ class SharedMemoryTransport(Transport):
     synchronous = True
 
     def __init__(
-        self, group: ProcessGroup, send_bytes: dict[str, int], segments: list[torch.Tensor], pids: list[int]
+        self,
+        group: ProcessGroup,
+        send_bytes: dict[str, int],
+        segments: list[torch.Tensor],
+        pids: list[int],
+        shard_homes: tuple[tuple[int, ...], ...] = (),
+        home_shards: list[list[torch.Tensor]] | None = None,
     ) -> None:
         super().__init__(group)
         self.segments = segments  # uint8, one per rank of the group, in group rank order (this rank's own too)
@@ -219,21 +297,31 @@ class SharedMemoryTransport(Transport):
         for kind, nbytes in slot_bytes(send_bytes, self.world_size).items():
             self.slots[kind] = SlotSet(offset, SLOTS[kind], nbytes)
             offset += self.slots[kind].nbytes
+        self.homes = Homes(offset, shard_homes)  # see [Note: shards that live in shared memory]
+        self.home_shards = home_shards or []  # this rank's shards, each mapped once more as a storage of its own
+        self._home_at = {shards[0].data_ptr(): home for home, shards in enumerate(self.home_shards) if shards}
         self.fallback = GlooTransport(group)
         self.words[self.rank][LATEST] = 0  # it held the creation token
-        for slots in self.slots.values():  # no collective in any slot yet
-            for slot in range(slots.count):
+        for slots in (*self.slots.values(), self.homes):  # no collective in any slot or home yet
+            for slot in range(len(slots.last_use)):
                 self._header(slots, self.rank, slot).fill_(-1)
                 self._set(slots, slot, PUBLISHED, 0)
                 self._set(slots, slot, READ, 0)
         dist.barrier(group=group)  # every header is cleared before any rank reads another's
 
     @staticmethod
-    def segment_bytes(send_bytes: dict[str, int], world_size: int) -> int:
+    def homes_of(send_bytes: dict[str, int], world_size: int, shard_homes: tuple[tuple[int, ...], ...]) -> Homes:
+        """Where the homes lie in a segment: after the rank's header and the slots."""
         slots = sum(
             SLOTS[kind] * (HEADER_BYTES + nbytes) for kind, nbytes in slot_bytes(send_bytes, world_size).items()
         )
-        return HEADER_BYTES + slots
+        return Homes(HEADER_BYTES + slots, shard_homes)
+
+    @staticmethod
+    def segment_bytes(
+        send_bytes: dict[str, int], world_size: int, shard_homes: tuple[tuple[int, ...], ...] = ()
+    ) -> int:
+        return SharedMemoryTransport.homes_of(send_bytes, world_size, shard_homes).end
 
     @property
     def resident_bytes(self) -> int:
@@ -241,12 +329,22 @@ class SharedMemoryTransport(Transport):
         return self.segments[self.rank].numel()
 
     def end_step(self) -> None:
+        """Also wait until every peer has read what this rank's homes published this step: the optimizer (or a
+        checkpoint) may write them next (see [Note: shards that live in shared memory])."""
         super().end_step()
         self.fallback.end_step()
+        what = "the end of a step (the other ranks reading this rank's shards)"
+        for home, last_use in enumerate(self.homes.last_use):
+            if last_use:
+                self._await_peers(self.homes, home, READ, last_use, self.sequence + 1, None, what)
 
     @staticmethod
-    def create(group: ProcessGroup, send_bytes: dict[str, int]) -> tuple[SharedMemoryTransport | None, str]:
+    def create(
+        group: ProcessGroup, send_bytes: dict[str, int], shard_homes: tuple[tuple[int, ...], ...] = ()
+    ) -> tuple[SharedMemoryTransport | None, str]:
         """A collective over ``group``: the transport, or None and why its ranks cannot share memory (on every rank).
+        ``shard_homes``: the bytes of each shard of each unit whose shards will live in the segment, in the order the
+        units claim their homes (see [Note: shards that live in shared memory]).
 
         None for a group over another backend than gloo, when it is switched off or memory lacks room for every
         rank's segment, and for ranks that do not see each other's segments (other hosts, other pid namespaces):
@@ -256,7 +354,7 @@ class SharedMemoryTransport(Transport):
             return None, f"shared memory needs a gloo group, not {dist.get_backend(group)}"
         if not ORDERED_STORES:  # every rank runs on the same machine type, or none shares memory with another
             return None, "shared memory needs x86-64's store ordering (see [Note: counters instead of barriers])"
-        wanted = SharedMemoryTransport.segment_bytes(send_bytes, group.size())
+        wanted = SharedMemoryTransport.segment_bytes(send_bytes, group.size(), shard_homes)
         token = uuid.uuid4().bytes
         fd = _reserve(wanted) if enabled() else None
         try:
@@ -269,6 +367,11 @@ class SharedMemoryTransport(Transport):
                 )
             mine = _map(f"/proc/self/fd/{fd}", wanted)
             mine[: len(token)] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
+            homes = SharedMemoryTransport.homes_of(send_bytes, group.size(), shard_homes)
+            home_shards = [
+                [_map_range(fd, offset, size) for offset, size in zip(offsets, sizes, strict=True)]
+                for offsets, sizes in zip(homes.offsets, homes.shards, strict=True)
+            ]
             dist.barrier(group=group)  # every segment holds its token before anyone maps it
             segments = [
                 mine if rank == group.rank() else _peer(path, wanted, expected)
@@ -282,7 +385,7 @@ class SharedMemoryTransport(Transport):
         if not all(agreed):
             return None, "some ranks cannot map the others' memory (other hosts or pid namespaces)"
         pids = [int(path.split("/")[2]) for path, _, _ in offers]
-        transport = SharedMemoryTransport(group, send_bytes, segments, pids)
+        transport = SharedMemoryTransport(group, send_bytes, segments, pids, shard_homes, home_shards)
         return transport, "every rank maps every other rank's memory"
 
     # ----- slots -------------------------------------------------------------------------------------------------
@@ -389,6 +492,58 @@ class SharedMemoryTransport(Transport):
         stamps = torch.tensor([theirs if r == rank else stamp.values() for r in range(self.world_size)])
         stamp.verify(stamps, self.group)
 
+    # ----- homes --------------------------------------------------------------------------------------------------
+
+    def home_for_shards(self, numels: list[int], dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """The next home, for a unit's shards of ``numels`` elements of ``dtype``: one 1-D tensor a shard, each a
+        storage of its own. None once every home planned at creation is claimed (a unit that came later gathers
+        through the slots)."""
+        homes = self.homes
+        home = homes.claimed
+        if home >= len(homes.shards) or homes.shards[home] != tuple(numel * dtype.itemsize for numel in numels):
+            return None
+        homes.claimed += 1
+        return [shard.view(dtype) for shard in self.home_shards[home]]
+
+    def _home_of(self, shards: list[torch.Tensor], dtype: torch.dtype) -> int | None:
+        """The home whose shards ``shards`` are (in ``dtype``, in order); None where they are not a home's."""
+        home = self._home_at.get(shards[0].data_ptr()) if shards and self._home_at else None
+        if home is None or len(shards) != len(self.home_shards[home]):
+            return None
+        for shard, at_home in zip(shards, self.home_shards[home], strict=True):
+            if shard.dtype != dtype or shard.data_ptr() != at_home.data_ptr() or shard.nbytes != at_home.nbytes:
+                return None
+        return home
+
+    def _gather_at_home(
+        self, home: int, shards: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, dests: list[torch.Tensor]
+    ) -> Pending[None]:
+        """See [Note: shards that live in shared memory]: publish the home as it is; the wait reads every rank's."""
+        homes = self.homes
+        numel = sum(shard.numel() for shard in shards)
+        sequence = self.sequence + 1
+        what = "a shared-memory gather (its home's readers)"
+        self._await_peers(homes, home, READ, homes.last_use[home], sequence, stamp, what)
+        self.sequence = homes.last_use[home] = sequence
+        announce("all_gather", "shm::all_gather", payload((numel,), dtype), self.world_size)
+        self._publish(homes, home, sequence, stamp)
+
+        def finish() -> None:
+            self._await_published(homes, home, sequence, stamp)
+            sources, targets = [], []
+            for rank in range(self.world_size):
+                for index, (shard, dest) in enumerate(zip(shards, dests, strict=True)):
+                    if rank == self.rank:
+                        sources.append(shard)
+                    else:
+                        offset = homes.offsets[home][index]
+                        sources.append(self.segments[rank][offset : offset + shard.nbytes].view(dtype))
+                    targets.append(dest.view(self.world_size, -1)[rank])
+            torch._foreach_copy_(targets, sources)
+            self._set(homes, home, READ, sequence)
+
+        return Pending(finish)
+
     # ----- the collectives ---------------------------------------------------------------------------------------
 
     def all_gather(
@@ -416,7 +571,11 @@ class SharedMemoryTransport(Transport):
     def all_gather_into(
         self, shards: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, dests: list[torch.Tensor]
     ) -> Pending[None]:
-        """A gather larger than a slot reads each chunk straight into ``dests`` (see [Note: chunks])."""
+        """A gather of shards at home packs nothing (see [Note: shards that live in shared memory]); one larger than a
+        slot reads each chunk straight into ``dests`` (see [Note: chunks])."""
+        home = self._home_of(shards, dtype)
+        if home is not None:
+            return self._gather_at_home(home, shards, dtype, stamp, dests)
         numel = sum(shard.numel() for shard in shards)
         slots = self.slots["all_gather"]
         if numel * dtype.itemsize <= slots.slot_bytes or not slots.has_free():

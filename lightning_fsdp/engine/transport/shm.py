@@ -56,7 +56,7 @@ per home (the stamp, a counter that says which gather has published it and one t
 then each shard from a page boundary of its own, which this rank maps once more, alone (``_map_range``): a shard's
 storage is its own bytes, not the segment, so copying one (``copy.deepcopy``, DCP's staging) copies that shard only.
 Measured on ``../shared/bench`` at 2 hosts x 2 ranks, HYBRID with bf16 between hosts: 0.437-0.450 x DDP's step before,
-0.412 after (``benchmarks/README.md``).
+0.41-0.43 after (``benchmarks/README.md``).
 
 A home's bytes change when the optimizer steps them (or a checkpoint is loaded into them), which a rank does only
 after its forward or backward has returned; a peer must not be reading them then. So the end of a step (``end_step``:

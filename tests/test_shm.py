@@ -236,8 +236,10 @@ def _check_a_large_root_streams_in_chunks(rank: int, world_size: int, stalled: b
     assert transport.homes.starts[0] == 64 + 5 * (64 + slot), "the rank's header and five slots, whatever the root"
     shards = [p.layout.shard_numel * 4 for unit in units for p in unit.params]
     assert [size for sizes in transport.homes.shards for size in sizes] == shards, "then every unit's shards"
-    assert transport.resident_bytes == transport.homes.end < transport.homes.starts[0] + sum(shards) + 4096 * (
-        len(shards) + 1
+    assert (
+        transport.resident_bytes
+        == transport.homes.end
+        < transport.homes.starts[0] + sum(shards) + 4096 * (len(shards) + 1)
     ), "each shard from a page of its own"
     assert [e.op for e in events if not e.op.startswith("shm::")] == [], "nothing over gloo"
     ops = [e.op for e in events]

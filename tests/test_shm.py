@@ -322,6 +322,45 @@ def test_shards_live_in_shared_memory_and_are_written_only_once_read() -> None:
     run_distributed(_check_shards_live_at_home, 2)
 
 
+def _check_homes_are_given_up_together(rank: int, world_size: int) -> None:
+    """When the kernel refuses one rank a shard's mapping (its limit on a process's mappings), or a model has more
+    shards than homes are made for, every rank keeps its shards where they were and gathers through the slots of the
+    same shared memory, with the unsharded model's results."""
+    config = GPTConfig(vocab_size=61, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=torch.Generator().manual_seed(1))
+    real_map, real_most = shm._map_range, shm.MAX_HOMED_SHARDS
+
+    def refused(fd: int, offset: int, nbytes: int) -> torch.Tensor:
+        raise OSError(errno.ENOMEM, "the kernel's limit on mappings")
+
+    for why in ("one rank refused", "too many shards"):
+        if why == "one rank refused" and rank == 1:
+            shm._map_range = refused
+        if why == "too many shards":
+            shm.MAX_HOMED_SHARDS = 3
+        try:
+            torch.manual_seed(0)
+            reference = GPT(config)
+            torch.manual_seed(0)
+            model = fully_shard(GPT(config), {Block})
+            for m in (reference, model):
+                m(tokens[:, :-1], tokens[:, 1:]).backward()
+        finally:
+            shm._map_range, shm.MAX_HOMED_SHARDS = real_map, real_most
+        transport = units_under(model)[0].transport()
+        assert isinstance(transport, SharedMemoryTransport), why
+        assert transport.home_shards == [] and transport.homes.shards == (), why
+        for unit in units_under(model):
+            for fsdp_param in unit.params:
+                grad = fsdp_param.sharded.grad
+                expected = fsdp_param.layout.local_rows_of(reference.get_parameter(fsdp_param.fqn).grad)
+                torch.testing.assert_close(grad.reshape(expected.shape), expected, rtol=1e-5, atol=1e-6, msg=why)
+
+
+def test_homes_are_given_up_on_every_rank_together() -> None:
+    run_distributed(_check_homes_are_given_up_together, 2)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_slots_are_agreed_and_fall_back_to_gloo_when_all_are_in_flight(world_size: int) -> None:
     run_distributed(_check_slots, world_size)

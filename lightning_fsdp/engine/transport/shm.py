@@ -55,6 +55,8 @@ units claim them (the same on every rank, so every rank finds a peer's shard at 
 per home (the stamp, a counter that says which gather has published it and one that says which this rank has read),
 then each shard from a page boundary of its own, which this rank maps once more, alone (``_map_range``): a shard's
 storage is its own bytes, not the segment, so copying one (``copy.deepcopy``, DCP's staging) copies that shard only.
+A model of more than ``MAX_HOMED_SHARDS`` shards, or a rank the kernel refuses a mapping (``vm.max_map_count``), gets
+no homes, on every rank alike: its gathers pack into the slots as before.
 Measured on ``../shared/bench`` at 2 hosts x 2 ranks, HYBRID with bf16 between hosts: 0.437-0.450 x DDP's step before,
 0.41-0.43 after (``benchmarks/README.md``).
 
@@ -219,6 +221,7 @@ class SlotSet:
 
 
 _PAGE = mmap.PAGESIZE
+MAX_HOMED_SHARDS = 8192  # mappings a rank makes for homes at most, far below the kernel's default limit of 65530
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mmap.restype = ctypes.c_void_p
 _LIBC.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
@@ -238,6 +241,18 @@ def _map_range(fd: int, offset: int, nbytes: int) -> torch.Tensor:
     weakref.finalize(mapped, _LIBC.munmap, address, nbytes)
     with torch.inference_mode(False):  # see _map
         return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+def _map_homes(fd: int, homes: Homes) -> list[list[torch.Tensor]] | None:
+    """Every shard of ``homes`` mapped as a storage of its own; None where the kernel refused a mapping (its limit on
+    a process's mappings, ``vm.max_map_count``)."""
+    try:
+        return [
+            [_map_range(fd, offset, size) for offset, size in zip(offsets, sizes, strict=True)]
+            for offsets, sizes in zip(homes.offsets, homes.shards, strict=True)
+        ]
+    except OSError:
+        return None
 
 
 class Homes:
@@ -354,6 +369,8 @@ class SharedMemoryTransport(Transport):
             return None, f"shared memory needs a gloo group, not {dist.get_backend(group)}"
         if not ORDERED_STORES:  # every rank runs on the same machine type, or none shares memory with another
             return None, "shared memory needs x86-64's store ordering (see [Note: counters instead of barriers])"
+        if sum(len(sizes) for sizes in shard_homes) > MAX_HOMED_SHARDS:  # the same on every rank
+            shard_homes = ()
         wanted = SharedMemoryTransport.segment_bytes(send_bytes, group.size(), shard_homes)
         token = uuid.uuid4().bytes
         fd = _reserve(wanted) if enabled() else None
@@ -367,23 +384,22 @@ class SharedMemoryTransport(Transport):
                 )
             mine = _map(f"/proc/self/fd/{fd}", wanted)
             mine[: len(token)] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
-            homes = SharedMemoryTransport.homes_of(send_bytes, group.size(), shard_homes)
-            home_shards = [
-                [_map_range(fd, offset, size) for offset, size in zip(offsets, sizes, strict=True)]
-                for offsets, sizes in zip(homes.offsets, homes.shards, strict=True)
-            ]
+            home_shards = _map_homes(fd, SharedMemoryTransport.homes_of(send_bytes, group.size(), shard_homes))
             dist.barrier(group=group)  # every segment holds its token before anyone maps it
             segments = [
                 mine if rank == group.rank() else _peer(path, wanted, expected)
                 for rank, (path, expected, _) in enumerate(offers)
             ]
-            agreed: list[bool | None] = [None] * group.size()
-            dist.all_gather_object(agreed, all(s is not None for s in segments), group=group)  # all have mapped
+            agreed: list[tuple[bool, bool] | None] = [None] * group.size()
+            mapped = (all(s is not None for s in segments), home_shards is not None)
+            dist.all_gather_object(agreed, mapped, group=group)  # all have mapped
         finally:
             if fd is not None:  # see [Note: segment lifetime]
                 os.close(fd)
-        if not all(agreed):
+        if not all(segments_mapped for segments_mapped, _ in agreed):
             return None, "some ranks cannot map the others' memory (other hosts or pid namespaces)"
+        if not all(homes_mapped for _, homes_mapped in agreed):  # every shard packs into the slots, as before homes
+            shard_homes, home_shards = (), None
         pids = [int(path.split("/")[2]) for path, _, _ in offers]
         transport = SharedMemoryTransport(group, send_bytes, segments, pids, shard_homes, home_shards)
         return transport, "every rank maps every other rank's memory"

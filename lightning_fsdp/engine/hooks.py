@@ -114,6 +114,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections import deque
 from typing import Any
 
@@ -398,7 +399,7 @@ def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) ->
         context.record_forward(unit)
     context.unshard_for_use(unit, context.next_units(unit, +1) if context.prefetches_forward(unit) else [])
     if torch.is_grad_enabled():
-        unit.hook_trainable_params(lambda param: on_grad_accumulated(unit, param))
+        unit.hook_trainable_params(functools.partial(_on_grad_accumulated_weakly, weakref.ref(unit)))
     precision = unit.options.mixed_precision
     cast = precision.cast_forward_inputs and precision.param_dtype is not None
     if cast:
@@ -464,6 +465,15 @@ def on_grad_accumulated(unit: FSDPUnit, param: torch.Tensor) -> None:
     _post_backward_if_done(unit)
     if unit.backward_unfinished:
         context.note_early_grads(unit)
+
+
+def _on_grad_accumulated_weakly(unit_ref: weakref.ref[FSDPUnit], param: torch.Tensor) -> None:
+    """The post-accumulate-grad hook holds its unit weakly: torch keeps such hooks on the tensor's C++ side, which the
+    garbage collector does not see through, so a hook holding the unit (which holds the tensor) would be a cycle never
+    collected, keeping the model and its shared-memory segment alive for the rest of the process."""
+    unit = unit_ref()
+    if unit is not None:
+        on_grad_accumulated(unit, param)
 
 
 @torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]

@@ -7,6 +7,7 @@ from lightning_fsdp.engine.contexts import no_sync, set_requires_gradient_sync, 
 from lightning_fsdp.engine.deferred_init import meta_build
 from lightning_fsdp.engine.options import BackwardPrefetch, CrossHostPrecision, MixedPrecision, ShardingStrategy
 from lightning_fsdp.engine.policies import ModuleClassPolicy, SizeBasedPolicy, size_based_policy
+from lightning_fsdp.engine.release import release
 from lightning_fsdp.engine.serving import uneven_batches
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "fully_shard",
     "meta_build",
     "no_sync",
+    "release",
     "set_requires_gradient_sync",
     "size_based_policy",
     "summon_full_params",

@@ -363,6 +363,18 @@ class RootContext:
         for transport in self.transports.values():
             transport.end_step()
 
+    def release(self) -> None:
+        """The end of a run (see [Note: what a run gives back] in ``release.py``): every unit leaves this root,
+        sharded, idle and its shards out of the transports' memory; every transport is closed. The root's next
+        forward starts over with the lazy init of a new context."""
+        self.pending.clear()
+        self.early_grads.clear()
+        for unit in self.units:
+            unit.leave_run(self.transports.get(id(unit.shard_group)))
+        transports, self.transports = self.transports, {}
+        for transport in transports.values():
+            transport.close()
+
 
 def _add_needs(needs: dict[int, dict[str, int]], unit: FSDPUnit) -> None:
     """Raise ``needs`` (per group: the largest send buffer of each collective kind) to what ``unit`` sends."""

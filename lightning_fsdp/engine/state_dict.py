@@ -131,7 +131,12 @@ def _whole(value: Tensor, fsdp_param: FSDPParam | None) -> Tensor:
     return scalar.view(fsdp_param.shape)
 
 
-_MESHES: dict[tuple[int, ...], DeviceMesh] = {}
+_MESHES: dict[tuple[int, ...], DeviceMesh] = {}  # by the groups' ids, which the meshes keep alive (so unique)
+
+
+def forget_meshes() -> None:
+    """Drop the meshes made so far, and with them their hold on the process groups: a run's end (``release.py``)."""
+    _MESHES.clear()
 
 
 def _mesh_of(fsdp_param: FSDPParam) -> tuple[DeviceMesh, list]:

@@ -375,6 +375,29 @@ class FSDPUnit:
         self.reshard()
         self.training_state = TrainingState.IDLE
 
+    def leave_run(self, transport: Transport | None) -> None:
+        """The run that claimed this unit ended (see [Note: what a run gives back] in ``release.py``), maybe in the
+        middle of a step: the shards registered again, in memory of their own (out of ``transport``'s, its shard
+        group's), the full parameters freed, the unit idle and unclaimed until the next forward's root claims it. A
+        gather still in flight is dropped, not awaited (its peers may be gone), and the memory it writes into is left
+        to it."""
+        gathering = self.shard_state is ShardState.UNSHARDING
+        self._pending_gather = None
+        for fsdp_param in self.params:
+            fsdp_param.register_sharded()
+            if not gathering:
+                fsdp_param.free_unsharded()
+            if transport is not None and transport.holds(fsdp_param.padded_shard):
+                # the same Parameter, its .data swapped: the optimizer's state keyed by it stays valid
+                fsdp_param.move_shard_to(torch.empty_like(fsdp_param.padded_shard))
+        for rows in self.looked_up:  # chosen again with the next root's transport (``choose_looked_up_rows``)
+            rows.end()
+        self.host_rows, self.context = None, None
+        self.shard_state = ShardState.SHARDED if self.params else ShardState.UNSHARDED
+        self.training_state, self.forward_depth, self.prefetched = TrainingState.IDLE, 0, False
+        self.grads_seen, self.input_grads_pending, self.awaits_final_callback = 0, 0, False
+        self.arrived, self.reduced_early = [], set()
+
     # ----- transports -------------------------------------------------------------------------------------------
 
     def transport(self) -> Transport:

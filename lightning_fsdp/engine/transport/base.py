@@ -175,6 +175,16 @@ class Transport(ABC):
         """The end of a backward: give the pooled temporaries back, so between steps a rank holds its shards only."""
         self.pool.clear()
 
+    def close(self) -> None:
+        """The end of the run (see [Note: what a run gives back] in ``engine/release.py``): give back every buffer
+        and whatever the transport holds outside the garbage collector's view. It is not used again; a later forward
+        of its root chooses a new one."""
+        self.pool.clear_all()
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory is this transport's own (a shard at home): it goes when the transport closes."""
+        return False
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world_size={self.world_size})"
 

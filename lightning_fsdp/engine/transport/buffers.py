@@ -54,3 +54,8 @@ class BufferPool:
     def clear(self) -> None:
         """The end of a step: every buffer but the kept chunk buffers goes back to the allocator."""
         self._free.clear()
+
+    def clear_all(self) -> None:
+        """The end of the run: the kept chunk buffers go back too."""
+        self._free.clear()
+        self._kept.clear()

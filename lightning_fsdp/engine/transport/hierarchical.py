@@ -96,6 +96,12 @@ class HierarchicalTransport(Transport):
         self.inside.end_step()
         self.across.end_step()
 
+    def close(self) -> None:
+        """Both stages' transports; the subgroups stay with their parent group for the next root over it."""
+        super().close()
+        self.inside.close()
+        self.across.close()
+
     # ----- gathers ---------------------------------------------------------------------------------------------
 
     def all_gather(

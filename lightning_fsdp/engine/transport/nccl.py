@@ -181,3 +181,10 @@ class NcclTransport(Transport):
         checks, self._unchecked = self._unchecked, []
         for check in checks:
             check()
+
+    def close(self) -> None:
+        """The gathered buffers go, after the reads ordered before them; a step that did not end leaves its stamp
+        checks unrun."""
+        super().close()
+        self._free_released_gathers()
+        self._unchecked = []

@@ -73,7 +73,11 @@ as every rank has mapped it. The memory then lives exactly as long as the proces
 at any moment -- before the others mapped its segment included -- leaves nothing behind for anyone to clean up. It
 is allocated in full when it is created (``SLOTS``: three gather slots and two reduction slots, each of at most
 ``LIGHTNING_FSDP_CHUNK_MIB``, see [Note: chunks]), so running out of memory is a refusal at creation (every rank
-falls back to gloo), not a SIGBUS mid-training.
+falls back to gloo), not a SIGBUS mid-training. A run gives it back before the process ends: at the run's teardown
+the units' shards move out of their homes into memory of their own and the transport unmaps everything (``close``),
+so a sweep of many fits in one process holds no segment between fits (see [Note: what a run gives back] in
+``engine/release.py``). A view of a home kept past that (a tensor of a sharded state dict) keeps its mapping, and
+with it the whole segment's memory, until it is dropped.
 """
 
 from __future__ import annotations
@@ -315,6 +319,7 @@ class SharedMemoryTransport(Transport):
         self.homes = Homes(offset, shard_homes)  # see [Note: shards that live in shared memory]
         self.home_shards = home_shards or []  # this rank's shards, each mapped once more as a storage of its own
         self._home_at = {shards[0].data_ptr(): home for home, shards in enumerate(self.home_shards) if shards}
+        self._homed = {shard.data_ptr() for shards in self.home_shards for shard in shards}  # for ``holds``
         self.fallback = GlooTransport(group)
         self.words[self.rank][LATEST] = 0  # it held the creation token
         for slots in (*self.slots.values(), self.homes):  # no collective in any slot or home yet
@@ -342,6 +347,17 @@ class SharedMemoryTransport(Transport):
     def resident_bytes(self) -> int:
         """This rank's memory in shared memory: its whole segment, allocated when the transport was created."""
         return self.segments[self.rank].numel()
+
+    def close(self) -> None:
+        """Drop every mapping this transport made: the segments (this rank's and its peers') and the homes, whose
+        shards moved out before (``FSDPUnit.leave_run``). Each segment's memory goes back to the kernel once every
+        rank has closed its transport (see [Note: segment lifetime])."""
+        super().close()
+        self.fallback.close()
+        self.segments, self.words, self.home_shards, self._home_at, self._homed = [], [], [], {}, set()
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return tensor.data_ptr() in self._homed
 
     def end_step(self) -> None:
         """Also wait until every peer has read what this rank's homes published this step: the optimizer (or a

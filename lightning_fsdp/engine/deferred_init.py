@@ -56,15 +56,15 @@ from torch.nn.modules.module import (
     register_module_buffer_registration_hook,
     register_module_parameter_registration_hook,
 )
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_fsdp.engine.init_program import InitProgram, covers_storage, recording, storage_key
 
 ParamInitFn = Callable[[nn.Module], None]
 log = logging.getLogger(__name__)
 
-# id(meta parameter) -> (the parameter, its creator module), both weakly; see track_meta_build. Keyed by id because
-# tensors compare elementwise; a lookup checks that the parameter is still the same object.
-_CREATORS: dict[int, tuple[weakref.ref[nn.Parameter], weakref.ref[nn.Module]]] = {}
+# meta parameter -> its creator module, both weakly (by identity: tensors compare elementwise); see track_meta_build.
+_CREATORS = WeakIdKeyDictionary()
 _GUARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 # Each module that registered a meta tensor under track_meta_build -> the init program recorded there.
 _PROGRAM_OF: weakref.WeakKeyDictionary[nn.Module, InitProgram] = weakref.WeakKeyDictionary()
@@ -96,7 +96,7 @@ def track_meta_build() -> Generator[None, None, None]:
             return
         _PROGRAM_OF[module] = program
         if _creator(param) is None:
-            _CREATORS[id(param)] = (weakref.ref(param), weakref.ref(module))
+            _CREATORS[param] = weakref.ref(module)
         if module not in _GUARDED:
             _GUARDED.add(module)
             module.register_load_state_dict_pre_hook(_refuse_load_into_meta)
@@ -130,8 +130,8 @@ def _refuse_load_into_meta(
 
 
 def _creator(param: nn.Parameter) -> nn.Module | None:
-    record = _CREATORS.get(id(param))
-    return record[1]() if record is not None and record[0]() is param else None
+    creator = _CREATORS.get(param)
+    return creator() if creator is not None else None
 
 
 def has_meta_tensors(module: nn.Module) -> bool:

@@ -66,4 +66,24 @@ def _hybrid_mesh(device_mesh: DeviceMesh | tuple[int, int] | None, group: Proces
             f"product is {world_size}."
         )
     device_type = "cuda" if dist.get_backend(group) == dist.Backend.NCCL else "cpu"
-    return init_device_mesh(device_type, sizes, mesh_dim_names=("replicate", "shard"))
+    key = (group.group_name, sizes, device_type)
+    mesh = _MADE.get(key)
+    if mesh is None or not all(_registered(mesh.get_group(dim)) for dim in range(mesh.ndim)):
+        mesh = _MADE[key] = init_device_mesh(device_type, sizes, mesh_dim_names=("replicate", "shard"))
+    return mesh
+
+
+# The meshes made here, by the parent group's name, the sizes and the device type: the models of a sweep over the
+# same ranks share one set of groups, where a mesh per ``fully_shard`` call would add a group per fit, each with its
+# sockets and gloo's threads, for the rest of the process. A mesh whose groups were destroyed since (the process
+# group torn down and made again) is made anew, on every rank alike.
+_MADE: dict[tuple[str, tuple[int, ...], str], DeviceMesh] = {}
+
+
+def _registered(group: ProcessGroup) -> bool:
+    """Whether ``group`` is still one of torch.distributed's (not destroyed)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True

@@ -46,7 +46,8 @@ from lightning_fsdp.engine.options import (
 )
 from lightning_fsdp.engine.policies import as_wrap_policy, module_classes, repeated_block_class, select_unit_modules
 from lightning_fsdp.engine.registry import unit_of
-from lightning_fsdp.engine.transport.whereabouts import watch_main_thread
+from lightning_fsdp.engine.release import release
+from lightning_fsdp.engine.transport.whereabouts import MainThreadWatch, watch_main_thread
 
 HYBRID_STRATEGIES = tuple(s.value for s in ShardingStrategy if s.is_hybrid)
 WHOLE_MODEL = "whole_model"  # auto_wrap_policy: the whole model as one unit, on purpose
@@ -66,6 +67,7 @@ class ShardedModelSetup(ABC):
     sharding_strategy: str
     mixed_precision: Any
     _hybrid_mesh: tuple[int, int] | DeviceMesh | None
+    _watch: MainThreadWatch | None = None  # the run's, from the process group to the teardown
 
     # What the Lightning base class (``ParallelStrategy``) provides.
     parallel_devices: list[torch.device] | None
@@ -122,7 +124,21 @@ class ShardedModelSetup(ABC):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        watch_main_thread()  # see [Note: every wait knows where its peers are]
+        self._stop_watching()  # a run whose teardown never came (one strategy, several stages)
+        self._watch = watch_main_thread(self)  # see [Note: every wait knows where its peers are]
+
+    def _end_run(self, modules: Iterable[nn.Module]) -> None:
+        """Give back what the run took (see [Note: what a run gives back] in ``engine/release.py``): the engine's
+        resources of every model it sharded, which stay usable, and the thread it started. The process group stays
+        for the next run, as Lightning leaves it after DDP. Safe to call again."""
+        for module in modules:
+            release(module)
+        self._stop_watching()
+
+    def _stop_watching(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
 
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         if dist.is_available() and dist.is_initialized():

@@ -122,12 +122,20 @@ class BackgroundSaver:
             raise failure
 
     def close(self) -> BaseException | None:
-        """Wait for the last write (teardown); return its failure instead of raising it."""
+        """Wait for the last write (teardown); return its failure instead of raising it. The saves' own process group
+        is destroyed (a later save makes a new one)."""
         try:
             self.wait()
         except BaseException as err:
             return err
+        finally:
+            self._destroy_group()
         return None
+
+    def _destroy_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group(group)
 
     def _checkpoint_group(self) -> dist.ProcessGroup | None:
         """The gloo group of every background collective, created once (a collective on the default group); None

@@ -387,12 +387,16 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
 
     @override
     def teardown(self) -> None:
-        """Release the plugins; the model stays where it is (its parameters are shards tied to the engine's buffers)
-        and there is no CheckpointIO to tear down. A background save still in flight is waited for, and its failure
-        raised once everything is released."""
+        """Give back what the run took (see [Note: what a run gives back] in ``engine/release.py``): the engine's
+        shared memory and buffers of every model set up here, the thread watching the main thread, the plugins. The
+        models stay where they are, their shards in memory of their own, usable. Fabric itself never calls this: without
+        it all of that goes with the models and this strategy, once they are garbage-collected.
+
+        A background save still in flight is waited for, and its failure raised once everything is released."""
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         failure = self._background.close() if self._background is not None else None
+        self._end_run(list(self._sharded_modules))
         set_phase(None)
         self.cluster_environment.teardown()
         self.precision.teardown()

@@ -613,8 +613,10 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Release the plugins, but leave the model where it is (unlike the base class, which moves it to the CPU):
-        its parameters are shards tied to the engine's buffers, and ``.cpu()`` would split them apart.
+        """Give back what the run took, however it ended (see [Note: what a run gives back] in
+        ``engine/release.py``): the engine's shared memory and buffers, the thread watching the main thread, the
+        signal handlers, the plugins. The model stays where it is (unlike the base class, which moves it to the CPU),
+        its shards in memory of their own: it can be saved, read, or fitted again by a new Trainer.
 
         A background save still in flight is waited for first; its failure is raised once everything is released."""
         assert self.cluster_environment is not None
@@ -623,6 +625,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         if self._deferred_signals is not None:
             self._deferred_signals.remove()
         self._remove_evaluation_signals()
+        self._end_run([self.lightning_module] if self.lightning_module is not None else [])
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

@@ -21,7 +21,8 @@ Collectives called straight through ``torch.distributed`` (Lightning's loops bro
 user code) block in C++ where no check of ours runs, so ``watch_main_thread`` starts a thread that looks at the main
 thread's stack every ``CHECK_EVERY_S``: once it has stayed ``POST_AFTER_S`` inside one ``torch.distributed`` call,
 the thread posts that call and its caller as the rank's place (over every rank: the group is not known). Its peers'
-checks then name it; the rank itself is freed when they raise and its collective fails.
+checks then name it; the rank itself is freed when they raise and its collective fails. The thread is the run's: the
+strategy starts it with the process group and stops it (joined) at its teardown, so none is left after ``fit``.
 
 Waiting on gloo goes through ``wait_work``, which wakes every ``POLL_S`` (``Work.wait`` with a timeout leaves the
 work in flight) to run the same checks. Every long wait (past its first ``POLL_S`` on gloo, ``LIVENESS_EVERY_S`` on
@@ -40,6 +41,7 @@ import json
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
@@ -259,19 +261,33 @@ def _blocking_call(frame: FrameType | None) -> str | None:
     return call and f"torch.distributed.{call}"
 
 
-class _MainThreadWatch(threading.Thread):
-    def __init__(self) -> None:
+class MainThreadWatch(threading.Thread):
+    """The thread that posts where the main thread blocks in ``torch.distributed`` (see the Note), for one run: it
+    runs from ``watch_main_thread`` until ``stop`` (the run's teardown) or until its owner is garbage-collected."""
+
+    def __init__(self, owner: object) -> None:
         super().__init__(name="lightning_fsdp-whereabouts", daemon=True)
         self.main = threading.main_thread().ident
+        self._stopping = threading.Event()
+        self._owner_gone = weakref.finalize(owner, self.stop)
+
+    def stop(self) -> None:
+        """End the thread and wait for it; its post, if it made one, is taken back. Safe to call twice."""
+        self._owner_gone.detach()
+        self._stopping.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join()
 
     def run(self) -> None:
         seen, since, posted = None, 0.0, False
-        while True:
-            time.sleep(CHECK_EVERY_S)
+        while not self._stopping.wait(CHECK_EVERY_S):
             try:
                 seen, since, posted = self._look(seen, since, posted)
             except (RuntimeError, ValueError):  # the group went away under it (the end of the run): look again later
                 seen, posted = None, False
+        store = _store()
+        if posted and store is not None:
+            _quietly(store.set, _PREFIX + str(dist.get_rank()), "")
 
     def _look(self, seen: str | None, since: float, posted: bool) -> tuple[str | None, float, bool]:
         store = _store()
@@ -290,11 +306,9 @@ class _MainThreadWatch(threading.Thread):
         return seen, since, posted
 
 
-_WATCH: list[_MainThreadWatch] = []
-
-
-def watch_main_thread() -> None:
-    """Start (once per process) the thread that posts where the main thread blocks in ``torch.distributed``."""
-    if not _WATCH:
-        _WATCH.append(_MainThreadWatch())
-        _WATCH[0].start()
+def watch_main_thread(owner: object) -> MainThreadWatch:
+    """Start the thread that posts where the main thread blocks in ``torch.distributed``, for the run of ``owner``
+    (a strategy): ``owner`` stops it at its teardown, or it stops when ``owner`` is garbage-collected."""
+    watch = MainThreadWatch(owner)
+    watch.start()
+    return watch

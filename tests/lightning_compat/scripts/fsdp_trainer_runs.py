@@ -37,6 +37,10 @@ Additions beyond Lightning's file (our items): ``sync_batchnorm_matches_ddp`` (a
 from ``parameters()`` and from ``named_parameters()``; a checkpoint with ``param_names`` in its groups, as they were
 written before, resumes exactly).
 
+After each case its ranks run Lightning's check that a test leaves no thread behind (``thread_police.py``, as the
+``thread_police_duuu_daaa_duuu_daaa`` fixture of Lightning's conftest runs it after each test): a thread the case
+left alive, after the Trainer's teardown, fails it with Lightning's sentence.
+
 Usage: python tests/lightning_compat/scripts/fsdp_trainer_runs.py OUT_DIR [CASE ...]
 """
 
@@ -45,6 +49,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -61,6 +66,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
+from thread_police import check_threads_since
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, always_wrap_policy, size_based_auto_wrap_policy
 from torchmetrics import Accuracy
 
@@ -824,11 +830,16 @@ def main() -> None:
     for name in names:
         tmp_path = OUT / "runs" / name
         tmp_path.mkdir(parents=True, exist_ok=True)
+        threads_before = set(threading.enumerate())
         try:
             extra = CASES[name](tmp_path) or {}
             record: dict[str, Any] = {"ok": True, **extra}
         except Exception as error:  # recorded per case: the pytest side fails that case with this traceback
             record = {"ok": False, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+        try:  # Lightning's check, in the ranks where the threads live: see thread_police.py
+            check_threads_since(threads_before)
+        except AssertionError as error:  # no collective is involved: the next case can run
+            record = {"ok": False, "error": f"{SymmetricFailure.__name__}: {error}", "traceback": str(error)}
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         (OUT / f"{name}.rank{rank}.json").write_text(json.dumps(record, default=str))
         if not record["ok"] and not record["error"].startswith(SymmetricFailure.__name__):

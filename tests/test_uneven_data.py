@@ -177,9 +177,27 @@ def _stuck(rank: int, world_size: int, out: str, case: str) -> None:
             _trainer(_strategy("myfsdp")).validate(model, _tokens(3, seed=40 + rank), verbose=False)
     except BaseException as error:  # noqa: BLE001 -- what each rank raised is the result (SIGTERM's is a SystemExit)
         result = {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - started}
+        _drop_tracebacks(error)  # their frames held what the wait they ended read (views of the segments)
+        result["left_behind"] = _left_behind()  # the trainer and the model not yet collected
     else:
         result = {"error": None, "seconds": time.monotonic() - started}
     Path(out, f"{case}_{rank}.json").write_text(json.dumps(result))
+
+
+def _drop_tracebacks(error: BaseException | None) -> None:
+    """The tracebacks of ``error`` and of the errors it was raised in the handling of (Ctrl-C's SystemExit: the
+    KeyboardInterrupt)."""
+    while error is not None:
+        error.__traceback__ = None
+        error = error.__context__
+
+
+def _left_behind() -> dict[str, Any]:
+    """What of ours is still there: shared-memory mappings and threads."""
+    return {
+        "memfd_mappings": sum("/memfd:" in line for line in Path("/proc/self/maps").read_text().splitlines()),
+        "threads": [thread.name for thread in threading.enumerate() if thread.name.startswith("lightning_fsdp")],
+    }
 
 
 def _fabric_training(batches: DataLoader) -> None:
@@ -195,8 +213,15 @@ def _fabric_training(batches: DataLoader) -> None:
 
 
 def _run_stuck(tmp_path: Path, case: str) -> list[dict]:
+    """Every rank's result. A Trainer's run, however it ended (an error, SIGTERM, Ctrl-C), gave back its shared
+    memory and its threads at its teardown, before the trainer and the model were collected; Fabric, which has no
+    teardown, gives them back with its objects."""
     run_distributed(_stuck, 2, str(tmp_path), case, timeout=120)
-    return [json.loads(Path(tmp_path, f"{case}_{rank}.json").read_text()) for rank in range(2)]
+    ranks = [json.loads(Path(tmp_path, f"{case}_{rank}.json").read_text()) for rank in range(2)]
+    if not case.startswith("fabric"):
+        for rank, result in enumerate(ranks):
+            assert result["left_behind"] == {"memfd_mappings": 0, "threads": []}, (rank, result)
+    return ranks
 
 
 def test_uneven_training_raises_on_every_rank_naming_the_rank_and_batch(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ never compared with ``==`` (which would be element-wise).
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
@@ -19,12 +20,14 @@ if TYPE_CHECKING:
 
 _UNIT_OF_MODULE: WeakKeyDictionary[nn.Module, FSDPUnit] = WeakKeyDictionary()
 _PARAM_OF_SHARD = WeakIdKeyDictionary()
+_UNIT_OF_SHARD = WeakIdKeyDictionary()  # -> a weak reference to the unit: the unit holds the shard
 
 
 def register_unit(unit: FSDPUnit) -> None:
     _UNIT_OF_MODULE[unit.module] = unit
     for fsdp_param in unit.params:
         _PARAM_OF_SHARD[fsdp_param.sharded] = fsdp_param
+        _UNIT_OF_SHARD[fsdp_param.sharded] = weakref.ref(unit)
 
 
 def unit_of(module: nn.Module) -> FSDPUnit | None:
@@ -34,6 +37,13 @@ def unit_of(module: nn.Module) -> FSDPUnit | None:
 def units_under(module: nn.Module) -> list[FSDPUnit]:
     """Every unit in ``module``'s subtree, in module (pre-)order: parents before children."""
     return [unit for m in module.modules() if (unit := _UNIT_OF_MODULE.get(m)) is not None]
+
+
+def unit_holding(fsdp_param: FSDPParam) -> FSDPUnit:
+    """The unit that gathers and reduces ``fsdp_param``."""
+    unit = _UNIT_OF_SHARD[fsdp_param.sharded]()
+    assert unit is not None, f"{fsdp_param} outlived its unit"
+    return unit
 
 
 def fsdp_param_of(tensor: torch.Tensor) -> FSDPParam | None:

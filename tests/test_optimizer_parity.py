@@ -1,0 +1,245 @@
+"""Every optimizer trains what it trains unsharded: parity on real gloo ranks for optimizers that read whole tensors.
+
+For Muon (fp32 Newton-Schulz, written in ``tests/optimizers.py``, and torch's own in bf16), Adafactor, LAMB, a Shampoo,
+bitsandbytes' 8-bit AdamW and an optimizer defined here, the sharded model and the one-process reference train on the
+same data from the same seed, under FULL_SHARD, SHARD_GRAD_OP and HYBRID_SHARD, over shared memory, gloo and two
+simulated hosts, at 2 and 4 ranks. Exact optimizers must agree to ``RTOL``; those that round on purpose (bf16
+Newton-Schulz, 8-bit states) within twice the distance DDP's own all-reduce (NO_SHARD) lands from the reference.
+Each run also checks what the layout promises: every tensor an optimizer reads whole is held by exactly one rank of
+its shard group, which alone has its gradient and its state; one collective per unit per transition. Optimizers
+that read across tensors are refused before the first step, leaving model and optimizer as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fsdp import clip_grad_norm_, declare_update_scope, fully_shard, prepare_optimizer, summon_full_params
+from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
+from lightning_fsdp.engine.registry import fsdp_param_of
+from lightning_fsdp.engine.transport import shm
+from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
+from tests.distributed import run_distributed
+from tests.engine_harness import RTOL, TINY_GPT, data_moving, max_relative_error
+from tests.optimizers import GlobalNormSGD, MuonFP32, NormalizedSGD, hidden_matrices
+
+pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
+bitsandbytes = pytest.importorskip("bitsandbytes")
+
+# Matrices of 4096 elements and more, where bitsandbytes keeps 8-bit states in blocks (smaller ones: 32-bit).
+WIDE_GPT = GPTConfig(vocab_size=67, block_size=16, n_layer=2, n_head=2, n_embd=48, bias=True)
+MUON_LR = 0.02
+
+
+def _muon_fp32(model: nn.Module) -> list[torch.optim.Optimizer]:
+    hidden, rest = hidden_matrices(model)
+    return [MuonFP32(hidden, lr=MUON_LR), torch.optim.AdamW(rest, lr=1e-3, eps=1e-5)]
+
+
+def _muon_torch(model: nn.Module) -> list[torch.optim.Optimizer]:
+    hidden, rest = hidden_matrices(model)
+    return [torch.optim.Muon(hidden, lr=MUON_LR), torch.optim.AdamW(rest, lr=1e-3, eps=1e-5)]
+
+
+OPTIMIZERS: dict[str, Callable[[nn.Module], list[torch.optim.Optimizer]]] = {
+    "muon_fp32": _muon_fp32,
+    "muon_torch_bf16": _muon_torch,
+    "adafactor": lambda m: [torch.optim.Adafactor(m.parameters(), lr=1e-2)],
+    "lamb": lambda m: [pytorch_optimizer.Lamb(m.parameters(), lr=1e-2, weight_decay=0.01, eps=1e-5)],
+    "shampoo": lambda m: [pytorch_optimizer.Shampoo(m.parameters(), lr=1e-2)],
+    "adamw_8bit": lambda m: [bitsandbytes.optim.AdamW8bit(m.parameters(), lr=1e-3, eps=1e-5)],
+    "normalized_sgd": lambda m: [NormalizedSGD(m.parameters(), lr=1e-2)],
+}
+# Round on purpose (bf16 Newton-Schulz, 8-bit states) or amplify the reduction's rounding (Shampoo's inverse roots):
+# judged against the distance of DDP's own all-reduce from the reference.
+ROUNDING = {"muon_torch_bf16", "adamw_8bit", "shampoo"}
+
+
+@dataclass
+class Case:
+    optimizer: str
+    shard: dict[str, Any] = field(default_factory=dict)
+    config: GPTConfig = TINY_GPT
+    shared_memory: bool = True
+    hosts: int = 1  # simulated hosts (LIGHTNING_FSDP_HOST), the ranks of each in a row
+    clip: float | None = None
+    steps: int = 5
+
+    def label(self) -> str:
+        extras = [f"{k}={v}" for k, v in self.shard.items()]
+        extras += ["gloo"] if not self.shared_memory else []
+        extras += [f"{self.hosts} hosts"] if self.hosts > 1 else []
+        extras += [f"clip={self.clip}"] if self.clip else []
+        return f"{self.optimizer} {' '.join(extras)}".strip()
+
+
+def _train(rank: int, world_size: int, case: Case) -> tuple[float, list[torch.optim.Optimizer], nn.Module]:
+    """Train the case sharded and unsharded; the largest relative difference of the weights afterwards."""
+    os.environ[shm.ENV_SWITCH] = "1" if case.shared_memory else "0"
+    os.environ["LIGHTNING_FSDP_HOST"] = f"simhost{rank * case.hosts // world_size}"
+    torch.manual_seed(0)
+    reference = GPT(case.config)
+    model = fully_shard(copy.deepcopy(reference), {Block}, **case.shard)
+    make = OPTIMIZERS[case.optimizer]
+    optimizers, ref_optimizers = make(model), make(reference)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(case.steps):
+        tokens = torch.randint(0, case.config.vocab_size, (2 * world_size, case.config.block_size + 1), generator=data)
+        local = slice(2 * rank, 2 * rank + 2)
+        model(tokens[local, :-1], tokens[local, 1:]).backward()
+        reference(tokens[:, :-1], tokens[:, 1:]).backward()
+        if case.clip:
+            norm = clip_grad_norm_(model.parameters(), case.clip)
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), case.clip)
+            assert abs(norm.item() - ref_norm.item()) <= RTOL * ref_norm.item(), f"[{case.label()}] norms differ"
+        for optimizer in optimizers + ref_optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    with summon_full_params(model, writeback=False):
+        error = max(
+            max_relative_error(p.detach(), q.detach())
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        )
+    return error, optimizers, model
+
+
+def _check_held_once(model: nn.Module, optimizers: list[torch.optim.Optimizer], label: str) -> int:
+    """Every parameter held whole lives on one rank of its shard group, which alone keeps optimizer state for it;
+    a rank keeps state only for what it holds. Returns how many parameters are held whole."""
+    whole = 0
+    for name, param in model.named_parameters():
+        fsdp_param = fsdp_param_of(param)
+        if fsdp_param is None or fsdp_param.layout.world_size == 1:
+            continue
+        has_state = any(optimizer.state.get(param) for optimizer in optimizers)
+        assert param.numel() or not has_state, f"[{label}] {name}: optimizer state on a rank that holds none of it"
+        if fsdp_param.layout.owner is None:
+            continue
+        whole += 1
+        held = torch.tensor([param.numel()])
+        dist.all_reduce(held, group=fsdp_param.group)
+        assert held.item() == fsdp_param.shape.numel(), f"[{label}] {name} is held {held.item()} elements in all"
+        assert param.numel() in (0, fsdp_param.shape.numel()), f"[{label}] {name} is split: {tuple(param.shape)}"
+    return whole
+
+
+def _check_cases(rank: int, world_size: int, cases: list[Case]) -> None:
+    ddp_distance: dict[str, float] = {}
+    for case in cases:
+        error, optimizers, model = _train(rank, world_size, case)
+        label = f"W={world_size} {case.label()}"
+        if case.shard.get("sharding_strategy") == "NO_SHARD":
+            ddp_distance[case.optimizer] = error
+            if rank == 0:
+                print(f"{label}: {error:.2e}")
+            continue
+        whole = _check_held_once(model, optimizers, label)
+        if case.optimizer != "adamw_8bit" or case.config is WIDE_GPT:
+            assert whole > 0, f"[{label}] no parameter is held whole"
+        bound = RTOL if case.optimizer not in ROUNDING else max(RTOL, 2 * ddp_distance[case.optimizer])
+        if rank == 0:
+            print(f"{label}: {error:.2e}")
+        assert error < bound, f"[{label}] relative error {error:.2e} against the reference (bound {bound:.1e})"
+
+
+def _rounding_baselines(config: GPTConfig = TINY_GPT) -> list[Case]:
+    no_shard = {"sharding_strategy": "NO_SHARD"}
+    return [Case("muon_torch_bf16", no_shard), Case("shampoo", no_shard), Case("adamw_8bit", no_shard, config=WIDE_GPT)]
+
+
+def test_two_ranks() -> None:
+    cases = _rounding_baselines()
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        shard = {"sharding_strategy": strategy}
+        cases += [Case(name, shard) for name in OPTIMIZERS if name != "adamw_8bit"]
+        cases.append(Case("adamw_8bit", shard, config=WIDE_GPT))
+    cases += [
+        Case("muon_fp32", shared_memory=False),
+        Case("adafactor", shared_memory=False),
+        Case("muon_fp32", clip=0.05),
+        Case("muon_fp32", {"cpu_offload": True}),
+    ]
+    run_distributed(_check_cases, 2, cases, timeout=400)
+
+
+def test_four_ranks() -> None:
+    hybrid = {"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 2)}
+    cases = _rounding_baselines()
+    cases += [Case(name) for name in ("muon_fp32", "adafactor", "lamb", "shampoo", "normalized_sgd")]
+    cases += [Case("adamw_8bit", config=WIDE_GPT), Case("muon_torch_bf16")]
+    cases += [Case(name, hybrid) for name in ("muon_fp32", "adafactor", "lamb")]
+    cases += [Case("adamw_8bit", hybrid, config=WIDE_GPT)]
+    cases += [Case("muon_fp32", hosts=2), Case("adafactor", hybrid, hosts=2), Case("muon_fp32", shared_memory=False)]
+    run_distributed(_check_cases, 4, cases, timeout=500)
+
+
+def _check_collectives_and_refusals(rank: int, world_size: int) -> None:
+    tokens = torch.randint(0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size + 1), generator=torch.Generator())
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    counts = {}
+    for name in ("muon_fp32", "adafactor"):
+        torch.manual_seed(0)
+        model = fully_shard(GPT(TINY_GPT), {Block})
+        optimizers = OPTIMIZERS[name](model)
+        for _ in range(3):  # the first step chooses the layout, the second the transports again
+            with CollectiveCounter() as counter:
+                model(*batch).backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+        counts[name] = data_moving(counter.counts)
+    torch.manual_seed(0)
+    plain = fully_shard(GPT(TINY_GPT), {Block})
+    plain(*batch).backward()  # the first forward's lazy init has collectives of its own
+    with CollectiveCounter() as counter:
+        plain(*batch).backward()
+    counts["plain"] = data_moving(counter.counts)
+    assert counts["muon_fp32"] == counts["adafactor"] == counts["plain"], counts
+
+    # Read across tensors: refused by name at the first step, nothing changed.
+    for optimizer_class in (GlobalNormSGD, pytorch_optimizer.Prodigy):
+        torch.manual_seed(0)
+        model = fully_shard(GPT(TINY_GPT), {Block})
+        optimizer = optimizer_class(model.parameters())
+        model(*batch).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match=rf"{optimizer_class.__name__} cannot train sharded parameters exactly"):
+            optimizer.step()
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+        assert not optimizer.state
+    # Declared element-wise (wrongly), Muon keeps its rows and trains another model: what the parity above catches.
+    declare_update_scope(MuonFP32, "elementwise")  # this rank's process only
+    error, _, model = _train(rank, world_size, Case("muon_fp32"))
+    assert error > 1e-3, f"rows for Muon stayed within {error:.1e} of the reference: the parity check is blind"
+    assert all(fsdp_param_of(p).layout.owner is None for p in model.parameters())
+
+
+def test_one_collective_per_unit_and_refusals_by_name() -> None:
+    run_distributed(_check_collectives_and_refusals, 2)
+
+
+def _check_prepared_before_any_step(rank: int, world_size: int) -> None:
+    """A state loaded into the optimizer before its first step, in the rows it had then, cannot move: refused."""
+    torch.manual_seed(0)
+    model = fully_shard(GPT(TINY_GPT), {Block})
+    optimizer = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size + 1))
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    stale = copy.deepcopy(optimizer.state_dict())
+    stale["state"] = {0: {"step": torch.tensor(1.0)}}
+    optimizer.load_state_dict(stale)
+    with pytest.raises(ValueError, match="already holds state for 'wte.weight' as this rank's rows"):
+        prepare_optimizer(optimizer)
+
+
+def test_state_loaded_in_rows_before_the_first_step_is_refused() -> None:
+    run_distributed(_check_prepared_before_any_step, 2)

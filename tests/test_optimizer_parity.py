@@ -16,16 +16,27 @@ import copy
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.fabric import Fabric
 from torch import nn
 
-from lightning_fsdp import clip_grad_norm_, declare_update_scope, fully_shard, prepare_optimizer, summon_full_params
+from lightning_fsdp import (
+    FabricFSDPStrategy,
+    clip_grad_norm_,
+    declare_update_scope,
+    fully_shard,
+    prepare_optimizer,
+    summon_full_params,
+)
+from lightning_fsdp.checkpoint.full import full_optimizer_state
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
 from lightning_fsdp.engine.registry import fsdp_param_of
+from lightning_fsdp.engine.state_dict import full_state_dict
 from lightning_fsdp.engine.transport import shm
 from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
 from tests.distributed import run_distributed
@@ -243,3 +254,46 @@ def _check_prepared_before_any_step(rank: int, world_size: int) -> None:
 
 def test_state_loaded_in_rows_before_the_first_step_is_refused() -> None:
     run_distributed(_check_prepared_before_any_step, 2)
+
+
+def _check_fabric(rank: int, world_size: int, folder: str) -> None:
+    """``Fabric(strategy="myfsdp")``: Adafactor set up beside the model trains as in one process, and both checkpoint
+    forms give weights and optimizer state back exactly."""
+    os.environ.update({"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world_size)})  # launched: ours
+    for form in ("full", "sharded"):
+        fabric = Fabric(accelerator="cpu", devices=world_size, strategy=FabricFSDPStrategy(state_dict_type=form))
+        fabric.launch()
+        torch.manual_seed(0)
+        reference = GPT(TINY_GPT)
+        net = copy.deepcopy(reference)
+        model, optimizer = fabric.setup(net, torch.optim.Adafactor(net.parameters()))  # built before sharding
+        ref_optimizer = torch.optim.Adafactor(reference.parameters())
+        data = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            tokens = torch.randint(0, TINY_GPT.vocab_size, (2 * world_size, 17), generator=data)
+            local = slice(2 * rank, 2 * rank + 2)
+            fabric.backward(model(tokens[local, :-1], tokens[local, 1:]))
+            reference(tokens[:, :-1], tokens[:, 1:]).backward()
+            for opt in (optimizer, ref_optimizer):
+                opt.step()
+                opt.zero_grad()
+        weights = full_state_dict(model.module, rank0_only=False)
+        for name, expected in reference.state_dict().items():
+            assert max_relative_error(weights[name], expected) < RTOL, f"[fabric {form}] {name}"
+        fabric.save(Path(folder) / form, {"model": model, "optimizer": optimizer})
+        torch.manual_seed(1)
+        other = fully_shard(GPT(TINY_GPT), {Block})  # sharded first, the optimizer built on its shards
+        other, other_optimizer = fabric.setup(other, torch.optim.Adafactor(other.parameters()))
+        fabric.load(Path(folder) / form, {"model": other, "optimizer": other_optimizer})
+        loaded = full_state_dict(other.module, rank0_only=False)
+        assert all(torch.equal(loaded[name], value) for name, value in weights.items()), f"[fabric {form}] weights"
+        saved_state = full_optimizer_state(model.module, optimizer.optimizer)
+        loaded_state = full_optimizer_state(other.module, other_optimizer.optimizer)
+        if rank == 0:
+            assert saved_state["state"].keys() == loaded_state["state"].keys()
+            for index, state in saved_state["state"].items():
+                assert all(torch.equal(loaded_state["state"][index][k], v) for k, v in state.items()), index
+
+
+def test_fabric(tmp_path: Path) -> None:
+    run_distributed(_check_fabric, 2, str(tmp_path))

@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_fsdp import (
     FabricFSDPStrategy,
+    MixedPrecision,
     clip_grad_norm_,
     declare_update_scope,
     fully_shard,
@@ -35,10 +36,12 @@ from lightning_fsdp import (
 )
 from lightning_fsdp.checkpoint.full import full_optimizer_state
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine.registry import fsdp_param_of
+from lightning_fsdp.engine import collectives
+from lightning_fsdp.engine.registry import fsdp_param_of, units_under
 from lightning_fsdp.engine.state_dict import full_state_dict
 from lightning_fsdp.engine.transport import shm
 from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.transport.shm import SharedMemoryTransport
 from tests.distributed import run_distributed
 from tests.engine_harness import RTOL, TINY_GPT, data_moving, max_relative_error
 from tests.optimizers import GlobalNormSGD, MuonFP32, NormalizedSGD, hidden_matrices
@@ -70,9 +73,7 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], list[torch.optim.Optimizer]]] = {
     "adamw_8bit": lambda m: [bitsandbytes.optim.AdamW8bit(m.parameters(), lr=1e-3, eps=1e-5)],
     "normalized_sgd": lambda m: [NormalizedSGD(m.parameters(), lr=1e-2)],
 }
-# Round on purpose (bf16 Newton-Schulz, 8-bit states) or amplify the reduction's rounding (Shampoo's inverse roots):
-# judged against the distance of DDP's own all-reduce from the reference.
-ROUNDING = {"muon_torch_bf16", "adamw_8bit", "shampoo"}
+BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 @dataclass
@@ -93,8 +94,33 @@ class Case:
         return f"{self.optimizer} {' '.join(extras)}".strip()
 
 
-def _train(rank: int, world_size: int, case: Case) -> tuple[float, list[torch.optim.Optimizer], nn.Module]:
-    """Train the case sharded and unsharded; the largest relative difference of the weights afterwards."""
+def _eight_bit_codes_differing(
+    model: nn.Module, optimizer: torch.optim.Optimizer, reference: torch.optim.Optimizer
+) -> float:
+    """The fraction of bitsandbytes' block-wise 8-bit state codes that differ from the one-process run's (rank 0;
+    0.0 elsewhere): the same blocks give the same codes but where the reduction's rounding moved a value across a
+    code boundary, as it does for DDP."""
+    full = full_optimizer_state(model, optimizer)
+    ref_params = [p for group in reference.param_groups for p in group["params"]]
+    worst = 0.0
+    for index, state in full.get("state", {}).items():
+        for key in ("state1", "state2"):
+            if key in state and state[key].dtype == torch.uint8:
+                expected = reference.state[ref_params[index]][key]
+                assert state[key].shape == expected.shape, f"{key} of parameter {index}"
+                worst = max(worst, (state[key] != expected).float().mean().item())
+    return worst
+
+
+class Trained(NamedTuple):
+    error: float  # the largest relative difference of the weights from the one-process run's
+    codes: float  # for 8-bit states: the fraction of codes that differ from the one-process run's
+    optimizers: list[torch.optim.Optimizer]
+    model: nn.Module
+
+
+def _train(rank: int, world_size: int, case: Case) -> Trained:
+    """Train the case sharded and unsharded, and compare."""
     os.environ[shm.ENV_SWITCH] = "1" if case.shared_memory else "0"
     os.environ["LIGHTNING_FSDP_HOST"] = f"simhost{rank * case.hosts // world_size}"
     torch.manual_seed(0)
@@ -115,12 +141,13 @@ def _train(rank: int, world_size: int, case: Case) -> tuple[float, list[torch.op
         for optimizer in optimizers + ref_optimizers:
             optimizer.step()
             optimizer.zero_grad()
+    codes = _eight_bit_codes_differing(model, optimizers[0], ref_optimizers[0]) if case.optimizer == "adamw_8bit" else 0
     with summon_full_params(model, writeback=False):
         error = max(
             max_relative_error(p.detach(), q.detach())
             for p, q in zip(model.parameters(), reference.parameters(), strict=True)
         )
-    return error, optimizers, model
+    return Trained(error, codes, optimizers, model)
 
 
 def _check_held_once(model: nn.Module, optimizers: list[torch.optim.Optimizer], label: str) -> int:
@@ -144,27 +171,33 @@ def _check_held_once(model: nn.Module, optimizers: list[torch.optim.Optimizer], 
 
 
 def _check_cases(rank: int, world_size: int, cases: list[Case]) -> None:
-    ddp_distance: dict[str, float] = {}
+    ddp: dict[tuple[str, bool], Trained] = {}  # DDP's own distances, by optimizer and mixed precision
     for case in cases:
-        error, optimizers, model = _train(rank, world_size, case)
+        trained = _train(rank, world_size, case)
         label = f"W={world_size} {case.label()}"
+        key = (case.optimizer, "mixed_precision" in case.shard)
         if case.shard.get("sharding_strategy") == "NO_SHARD":
-            ddp_distance[case.optimizer] = error
-            if rank == 0:
-                print(f"{label}: {error:.2e}")
+            ddp[key] = trained
             continue
-        whole = _check_held_once(model, optimizers, label)
-        if case.optimizer != "adamw_8bit" or case.config is WIDE_GPT:
-            assert whole > 0, f"[{label}] no parameter is held whole"
-        bound = RTOL if case.optimizer not in ROUNDING else max(RTOL, 2 * ddp_distance[case.optimizer])
-        if rank == 0:
-            print(f"{label}: {error:.2e}")
-        assert error < bound, f"[{label}] relative error {error:.2e} against the reference (bound {bound:.1e})"
+        whole = _check_held_once(trained.model, trained.optimizers, label)
+        assert whole > 0, f"[{label}] no parameter is held whole"
+        bound = max(RTOL, 2 * ddp[key].error) if key in ddp else RTOL
+        assert trained.error < bound, f"[{label}] relative error {trained.error:.2e} (bound {bound:.1e})"
+        assert trained.codes <= max(1e-3, 2 * ddp[key].codes if key in ddp else 0), f"[{label}] 8-bit states differ"
+        if "mixed_precision" in case.shard:
+            assert all(p.dtype == torch.float32 for p in trained.model.parameters()), f"[{label}] masters not fp32"
 
 
-def _rounding_baselines(config: GPTConfig = TINY_GPT) -> list[Case]:
+def _rounding_baselines() -> list[Case]:
+    """DDP's own distances (NO_SHARD all-reduces whole gradients) for the cases that round on purpose (bf16
+    Newton-Schulz, 8-bit states, bf16 gathers) or amplify the sums' rounding (Shampoo's inverse roots)."""
     no_shard = {"sharding_strategy": "NO_SHARD"}
-    return [Case("muon_torch_bf16", no_shard), Case("shampoo", no_shard), Case("adamw_8bit", no_shard, config=WIDE_GPT)]
+    return [
+        Case("muon_torch_bf16", no_shard),
+        Case("shampoo", no_shard),
+        Case("adamw_8bit", no_shard, config=WIDE_GPT),
+        Case("muon_fp32", {**no_shard, "mixed_precision": BF16}),
+    ]
 
 
 def test_two_ranks() -> None:
@@ -178,6 +211,7 @@ def test_two_ranks() -> None:
         Case("adafactor", shared_memory=False),
         Case("muon_fp32", clip=0.05),
         Case("muon_fp32", {"cpu_offload": True}),
+        Case("muon_fp32", {"mixed_precision": BF16}),
     ]
     run_distributed(_check_cases, 2, cases, timeout=400)
 
@@ -208,6 +242,7 @@ def _check_collectives_and_refusals(rank: int, world_size: int) -> None:
                 optimizer.step()
                 optimizer.zero_grad()
         counts[name] = data_moving(counter.counts)
+        _check_gathers_pack_nothing(model, optimizers, batch)
     torch.manual_seed(0)
     plain = fully_shard(GPT(TINY_GPT), {Block})
     plain(*batch).backward()  # the first forward's lazy init has collectives of its own
@@ -229,9 +264,32 @@ def _check_collectives_and_refusals(rank: int, world_size: int) -> None:
         assert not optimizer.state
     # Declared element-wise (wrongly), Muon keeps its rows and trains another model: what the parity above catches.
     declare_update_scope(MuonFP32, "elementwise")  # this rank's process only
-    error, _, model = _train(rank, world_size, Case("muon_fp32"))
-    assert error > 1e-3, f"rows for Muon stayed within {error:.1e} of the reference: the parity check is blind"
-    assert all(fsdp_param_of(p).layout.owner is None for p in model.parameters())
+    trained = _train(rank, world_size, Case("muon_fp32"))
+    assert trained.error > 1e-3, f"rows for Muon stayed within {trained.error:.1e} of the reference: a blind check"
+    assert all(fsdp_param_of(p).layout.owner is None for p in trained.model.parameters())
+
+
+def _check_gathers_pack_nothing(
+    model: nn.Module, optimizers: list[torch.optim.Optimizer], batch: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """After the layout changed, shared memory is chosen again with homes for the new shards: each unit's segment of
+    whole tensors lives there too, and no gather packs (see [Note: shards that live in shared memory])."""
+    transport = units_under(model)[0].transport()
+    assert isinstance(transport, SharedMemoryTransport) and transport.keeps_shards_at_home
+    for unit in units_under(model):
+        for whole in unit.wholes:
+            assert whole.padded_shard.data_ptr() in {s.data_ptr() for home in transport.home_shards for s in home}
+    packed: list[int] = []
+    real_pack = collectives.pack
+    collectives.pack = lambda tensors, out, start=0: (packed.append(out.numel()), real_pack(tensors, out, start))
+    try:
+        model(*batch).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        collectives.pack = real_pack
+    assert packed == [], "a gather packed its shards"
 
 
 def test_one_collective_per_unit_and_refusals_by_name() -> None:

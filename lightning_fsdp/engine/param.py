@@ -213,9 +213,13 @@ class FSDPParam:
 
         Re-synced first if the user replaced ``.data`` (the optimizer steps in place, so normally it is the same).
         """
+        self.resync_shard()
+        return self._padded_shard.to(self.compute_device, non_blocking=True)
+
+    def resync_shard(self) -> None:
+        """Copy the registered shard into the padded one if the user replaced its ``.data``."""
         if self.sharded.data_ptr() != self._padded_shard.data_ptr() and self.sharded.numel() > 0:
             self._padded_shard[: self.sharded.numel()].copy_(self.flat(self.sharded.detach()))
-        return self._padded_shard.to(self.compute_device, non_blocking=True)
 
     def move_shard_to(self, home: torch.Tensor) -> None:
         """Keep the padded shard in ``home`` (1-D, its numel and dtype) from now on: the registered shard becomes a
@@ -223,8 +227,12 @@ class FSDPParam:
         there. See [Note: shards that live in shared memory] in ``transport/shm.py``."""
         with torch.no_grad():
             home.copy_(self.padded_shard)
-        self._padded_shard = home
-        self.sharded.data = self.laid_out(home[: self.sharded.numel()], self.sharded.shape)
+        self.point_shard_at(home)
+
+    def point_shard_at(self, padded: torch.Tensor) -> None:
+        """Make ``padded`` (1-D, holding this rank's shard first) the shard's memory, with no copy."""
+        self._padded_shard = padded
+        self.sharded.data = self.laid_out(padded[: self.sharded.numel()], self.sharded.shape)
 
     def hold_whole(
         self, owner: int, full: torch.Tensor, shard: torch.Tensor, gathered: torch.Tensor, buffer: torch.Tensor

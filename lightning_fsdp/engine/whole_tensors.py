@@ -76,9 +76,7 @@ class WholeTensors:
         """This rank's segment on the compute device, as packed for the all-gather; re-synced from any parameter
         whose ``.data`` the user replaced (the optimizer steps in place, so normally nothing is copied)."""
         for fsdp_param in self.mine:
-            shard = fsdp_param._padded_shard
-            if fsdp_param.sharded.data_ptr() != shard.data_ptr():
-                shard.copy_(fsdp_param.flat(fsdp_param.sharded.detach()))
+            fsdp_param.resync_shard()
         return self._segment.to(self.params[0].compute_device, non_blocking=True)
 
     @property
@@ -99,9 +97,7 @@ class WholeTensors:
             home.copy_(self.padded_shard)
         self._segment = home
         for fsdp_param, offset in zip(self.params, self.offsets, strict=True):
-            numel = fsdp_param.sharded.numel()
-            fsdp_param._padded_shard = home[offset : offset + numel]
-            fsdp_param.sharded.data = fsdp_param.laid_out(fsdp_param._padded_shard, fsdp_param.sharded.shape)
+            fsdp_param.point_shard_at(home[offset : offset + fsdp_param.sharded.numel()])
 
     def grad_rows(self, params: list[FSDPParam]) -> RankRows:
         """The gradients of ``params`` (some of this unit's whole tensors) packed rank-major for the reduce-scatter:

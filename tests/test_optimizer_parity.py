@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import bitsandbytes
 import pytest
+import pytorch_optimizer
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
@@ -45,9 +47,6 @@ from lightning_fsdp.engine.transport.shm import SharedMemoryTransport
 from tests.distributed import run_distributed
 from tests.engine_harness import RTOL, TINY_GPT, data_moving, max_relative_error
 from tests.optimizers import GlobalNormSGD, MuonFP32, NormalizedSGD, hidden_matrices
-
-pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
-bitsandbytes = pytest.importorskip("bitsandbytes")
 
 # Matrices of 4096 elements and more, where bitsandbytes keeps 8-bit states in blocks (smaller ones: 32-bit).
 WIDE_GPT = GPTConfig(vocab_size=67, block_size=16, n_layer=2, n_head=2, n_embd=48, bias=True)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import warnings
 
+import bitsandbytes
 import pytest
+import pytorch_optimizer
 import torch
+import torchao.optim as torchao_optim
 from torch import nn
 
 from lightning_fsdp import UpdateScope, declare_update_scope
@@ -56,8 +59,6 @@ def test_optimizers_defined_here_are_told_apart() -> None:
 
 
 def test_optimizers_of_the_libraries_users_install() -> None:
-    pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
-    bitsandbytes = pytest.importorskip("bitsandbytes")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert _probe(_optimizer(pytorch_optimizer.Lamb), MATRIX) is TENSOR  # a trust ratio per tensor
@@ -68,6 +69,10 @@ def test_optimizers_of_the_libraries_users_install() -> None:
         # 8-bit states in blocks, from 4096 elements on; smaller tensors keep 32-bit states, element by element.
         assert _probe(_optimizer(bitsandbytes.optim.AdamW8bit), (128, 64)) is TENSOR
         assert _probe(_optimizer(bitsandbytes.optim.AdamW8bit), (30, 20)) is ELEMENTWISE
+        # torchao's low-bit states are tensor subclasses shaped like the parameter but quantized in blocks.
+        assert _probe(_optimizer(torchao_optim.AdamW8bit), (128, 64)) is TENSOR
+        assert _probe(_optimizer(torchao_optim.AdamW4bit), (128, 64)) is TENSOR
+        assert _probe(_optimizer(torchao_optim.AdamW8bit), (30, 20)) is ELEMENTWISE
 
 
 def test_the_probe_leaves_the_real_optimizer_and_its_scheduler_alone() -> None:

@@ -17,8 +17,6 @@ import torch
 from tests.engine_harness import ATOL, RTOL
 from tests.strategy_scripts import run_script
 
-pytest.importorskip("pytorch_optimizer")
-
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -20,6 +20,7 @@ whose probe cannot run (a step that needs more than a closure, say).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -128,7 +129,7 @@ def probe_scope(optimizer: Optimizer, group_index: int, shape: tuple[int, ...], 
         and _same_values(whole.group, beside.group)
     ):
         return UpdateScope.ACROSS_TENSORS
-    if any(t.numel() > 1 and tuple(t.shape) != shape for t in _tensors_in(whole.state)):
+    if any(_not_per_element(t, shape) for t in _tensors_in(whole.state)):
         return UpdateScope.TENSOR
     if rows > 1:
         half = rows // 2
@@ -148,17 +149,30 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.isfinite(a).all()) and torch.allclose(a, b, rtol=1e-5, atol=1e-6 * scale)
 
 
+def _not_per_element(state: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """A state tensor that is not one number per element of its parameter: of another shape (row statistics, a
+    preconditioner), or a tensor subclass (quantized in blocks, as torchao's low-bit states are)."""
+    plain = type(state) in (torch.Tensor, torch.nn.Parameter)
+    return not plain or (state.numel() > 1 and tuple(state.shape) != shape)
+
+
 def _same_values(a: Any, b: Any) -> bool:
-    """Two snapshots of optimizer state or of a parameter group (nested containers, tensors, numbers) the same."""
+    """Two snapshots of optimizer state or of a parameter group (nested containers, tensors, numbers) hold the same
+    statistics: floats and tensors alike. Tensor subclasses (quantized states) are compared by type and shape only, and
+    integers not at all (a count of the group's elements): the values' deltas judge those."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a.numel() == 0 or _same(a, b))
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if type(a) not in (torch.Tensor, torch.nn.Parameter) or type(b) is not type(a):
+            return type(a) is type(b) and a.shape == b.shape
+        return a.numel() == 0 or _same(a, b)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same_values(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
         return len(a) == len(b) and all(_same_values(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, float) and isinstance(b, float):
         return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-12) or (math.isnan(a) and math.isnan(b))
-    return type(a) is type(b) and (a == b if isinstance(a, int | str | bool | None) else True)
+    return type(a) is type(b)  # counts and flags (how many tensors a group has, say) are no statistic
 
 
 def _tensors_in(value: Any, depth: int = 3) -> list[torch.Tensor]:
@@ -201,11 +215,18 @@ def _run(optimizer: Optimizer, group_index: int, start: list[torch.Tensor], grad
             return sum((p.detach() * g).sum() for p, g in zip(params, step_grads, strict=True))
 
         try:
-            step(probe, closure) if takes_closure else step(probe)
+            with _eagerly():
+                step(probe, closure) if takes_closure else step(probe)
         except Exception as error:  # noqa: BLE001 -- any failure of a foreign step is reported the same way
             raise ProbeFailedError(f"{type(error).__name__}: {error}") from error
     group = {key: value for key, value in probe.param_groups[0].items() if key != "params"}
     return _Probed([p.detach() for p in params], dict(probe.state.get(params[0], {})), group)
+
+
+def _eagerly() -> contextlib.AbstractContextManager:
+    """No compilation inside the probe: a compiled step (heavyball's) would compile again for every test tensor."""
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch 2.6 and later
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def _takes_closure(step: Callable[..., Any]) -> bool:

@@ -85,7 +85,9 @@ def _check_awkward_model(rank: int, world_size: int) -> None:
             model(x[rank * 3 : (rank + 1) * 3]).pow(2).mean().backward()
             reference(x).pow(2).mean().backward()
             for (name, param), ref_param in zip(model.named_parameters(), reference.parameters(), strict=True):
-                assert (param.grad is None) == (ref_param.grad is None), f"[{strategy}] {name}: grad presence differs"
+                # A rank that holds no element of a parameter (a 1-row one on 4 ranks) gives it no gradient.
+                expected = ref_param.grad is None or param.numel() == 0
+                assert (param.grad is None) == expected, f"[{strategy}] {name}: grad presence differs"
             optimizer.step()
             ref_optimizer.step()
             optimizer.zero_grad()

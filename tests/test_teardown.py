@@ -84,8 +84,9 @@ def test_nothing_of_a_fit_outlives_it(sweeps: dict[str, list[dict[str, Any]]]) -
 def test_a_kept_model_works_after_its_run_without_holding_its_segment(
     sweeps: dict[str, list[dict[str, Any]]],
 ) -> None:
-    """A model kept after ``fit``: its segment went with the run, yet it is readable, saved to a checkpoint, fitted
-    again by a new Trainer, and its checkpoint loads into a fresh model under a third."""
+    """A model kept after ``fit`` (its weights held whole, for Adafactor, its biases by rows): its segment went with
+    the run, yet it is readable, saved to a checkpoint, fitted again by a new Trainer, and its checkpoint loads into a
+    fresh model under a third."""
     for rank in sweeps["trainer_myfsdp"]:
         kept = rank["kept"]
         assert kept["after_fit"]["memfd_mappings"] == 0, kept

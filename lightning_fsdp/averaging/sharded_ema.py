@@ -201,8 +201,15 @@ class ShardedEMA(Callback):
         self._latest_update_step = int(state_dict["latest_update_step"])
 
     def _ensure_rows(self) -> list[_AveragedRows]:
-        """The averaged rows, allocated (uninitialised) at the first need, when the model is sharded."""
-        if self._rows is None:
+        """The averaged rows, allocated (uninitialised) at the first need, when the model is sharded (again, before
+        the first update, when an optimizer moved parameters to live whole since: see [Note: whole tensors])."""
+        relaid = self._rows is not None and any(row.average.shape != row.param.shape for row in self._rows)
+        if relaid and self._updates > 0:
+            raise RuntimeError(
+                "ShardedEMA's averages were laid out before an optimizer moved parameters to live whole on one rank; "
+                "create the optimizers before the first update of the average (configure_optimizers does)."
+            )
+        if self._rows is None or relaid:
             module = self._require_module()
             self._rows = [
                 _AveragedRows(name, param, torch.empty_like(param, dtype=torch.float32))
@@ -238,6 +245,11 @@ def _as_saved(row: _AveragedRows) -> Tensor:
     fsdp_param = fsdp_param_of(row.param)
     if fsdp_param is None or fsdp_param.layout.world_size == 1:
         return row.average.view(fsdp_param.shape) if fsdp_param is not None else row.average
+    owner = fsdp_param.layout.owner
+    if owner is not None:  # held whole by one rank (see [Note: whole tensors]): give every rank its average
+        value = row.average.clone() if owner == fsdp_param.layout.rank else row.average.new_empty(fsdp_param.shape)
+        dist.broadcast(value, src=dist.get_global_rank(fsdp_param.group, owner), group=fsdp_param.group)
+        return value
     if len(fsdp_param.shape) == 0:  # the one row lives on the shard group's first rank: give every rank the value
         value = row.average.reshape(-1)[:1].clone() if row.average.numel() else row.average.new_zeros(1)
         dist.broadcast(value, src=dist.get_global_rank(fsdp_param.group, 0), group=fsdp_param.group)

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint.atomic import tensor_bytes, write_file_atomically
@@ -33,14 +32,15 @@ from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.optimizer_check import check_optimizer_fits, optimizers_restored_on_error
 from lightning_fsdp.checkpoint.remote import downloaded_once_per_host
 from lightning_fsdp.checkpoint.safe_load import load_torch_file
+from lightning_fsdp.engine.optimizers import prepare_optimizer
 from lightning_fsdp.engine.param import FSDPParam
 from lightning_fsdp.engine.registry import fsdp_param_of
 from lightning_fsdp.engine.state_dict import (
     check_keys_and_shapes,
+    full_param_state,
     init_optimizer_state,
     load_full_state_dict,
     parameter_names,
-    sharded_optimizer_state_dict,
 )
 
 # The checkpoint entry that says it holds only the trainable parameters (an adapter, LoRA's A and B): loading it
@@ -171,6 +171,8 @@ def load_full_state(
 ) -> dict[str, Any]:
     """``load_full_checkpoint`` of a checkpoint already read from ``path`` (which names it in messages); a file in
     ``fabric.save``'s layout is put into the Trainer's first (see ``as_trainer_layout``)."""
+    for optimizer in optimizers:  # the layout its state is saved for decides where the model's shards live
+        prepare_optimizer(optimizer)
     as_trainer_layout(checkpoint)
     fold_callback_tensors(checkpoint)  # a file Lightning consolidated from our sharded folder
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
@@ -199,29 +201,22 @@ def load_full_state(
 def full_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()`` at full shapes, on rank 0 (``{}`` elsewhere). A collective."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    sharded = sharded_optimizer_state_dict(module, optimizer)
     names = parameter_names(module)
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
-    for group, saved_group in zip(optimizer.param_groups, sharded["param_groups"], strict=True):
+    for group in optimizer.param_groups:
         indices = []
         for param in group["params"]:
-            param_state = sharded["state"].get(names[id(param)], {})
-            full = {key: _full_value(value, param) for key, value in param_state.items()}
+            full = full_param_state(param, optimizer.state.get(param, {}))
             if rank0 and full:
                 state[index] = {
                     k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in full.items()
                 }
             indices.append(index)
             index += 1
-        groups.append(
-            {
-                **{k: v for k, v in saved_group.items() if k != "params"},
-                "params": indices,
-                "param_names": saved_group["params"],
-            }
-        )
+        hyperparameters = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        groups.append({**hyperparameters, "params": indices, "param_names": [names[id(p)] for p in group["params"]]})
     return {"state": state, "param_groups": groups} if rank0 else {}
 
 
@@ -266,18 +261,6 @@ def recorded_optimizer_names(checkpoint: Mapping[str, Any], index: int) -> list[
     return None
 
 
-def _full_value(value: Any, param: Tensor) -> Any:
-    if isinstance(value, DTensor):
-        return value.full_tensor()
-    fsdp_param = fsdp_param_of(param)
-    if fsdp_param is not None and len(fsdp_param.shape) == 0 and isinstance(value, Tensor) and value.dim() == 1:
-        scalar = value.reshape(-1)[:1].clone() if value.numel() else value.new_zeros(1)
-        if fsdp_param.group is not None:
-            dist.broadcast(scalar, src=dist.get_global_rank(fsdp_param.group, 0), group=fsdp_param.group)
-        return scalar.view(())
-    return value
-
-
 def check_full_optimizer_state(module: nn.Module, optimizer: Optimizer, saved: dict[str, Any], source: object) -> None:
     """Refuse a full (positional) optimizer state that does not fit ``optimizer``: grouping, type, state keys, shapes.
 
@@ -320,11 +303,14 @@ def load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, saved: di
 
 
 def _entries(optimizer: Optimizer, saved: dict[str, Any]) -> list[tuple[Any, str, Any, Tensor, Any]]:
-    """(position, key, saved value, parameter, the optimizer's own value for that key) for every saved state entry."""
+    """(position, key, saved value, parameter, the optimizer's own value for that key) for every saved state entry of
+    a parameter this rank holds elements of: a rank keeps no state for the others (held whole elsewhere, or rows
+    that all lie on other ranks), as the optimizer, which never steps them here, keeps none."""
     params = [param for group in optimizer.param_groups for param in group["params"]]
     return [
         (index, key, value, params[int(index)], optimizer.state.get(params[int(index)], {}).get(key))
         for index, param_state in saved.get("state", {}).items()
+        if params[int(index)].numel() or fsdp_param_of(params[int(index)]) is None
         for key, value in param_state.items()
     ]
 

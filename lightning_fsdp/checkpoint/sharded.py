@@ -38,6 +38,7 @@ from lightning_fsdp.checkpoint.remote import (
     save_sharded_remote,
 )
 from lightning_fsdp.checkpoint.safe_load import dcp_load_planner, dcp_reader, load_torch_file, read_dcp_metadata
+from lightning_fsdp.engine.optimizers import prepare_optimizer
 from lightning_fsdp.engine.registry import fsdp_param_of
 from lightning_fsdp.engine.state_dict import (
     apply_optimizer_hyperparameters,
@@ -111,6 +112,8 @@ def load_sharded(
     those the folder records come back inside the returned callback states. ``path`` may be an fsspec URL (each
     rank then reads only its byte ranges; ``storage_options`` as fsspec takes them).
     """
+    for optimizer in optimizers:  # the layout its state is saved for decides where the model's shards live
+        prepare_optimizer(optimizer)
     if is_remote(path):
         metadata = read_checked_metadata_remote(path, trust, opt_in, storage_options)
         meta = load_meta_remote(path, trust, opt_in, storage_options)
@@ -151,8 +154,7 @@ def load_sharded(
                 sharded_optimizer_state_dict(module, optimizer), metadata, index
             )
     dcp.load(target, storage_reader=reader(), planner=dcp_load_planner(trust, opt_in))
-    optimizer_states = {optimizer: target[f"optimizer_{index}"] for index, optimizer in enumerate(optimizers)}
-    write_back_scalars(module, target["model"], optimizer_states)
+    write_back_scalars(module, target["model"])
     for index, optimizer in enumerate(optimizers):
         apply_optimizer_hyperparameters(optimizer, target[f"optimizer_{index}"]["param_groups"])
     for callbacks in recorded.values():

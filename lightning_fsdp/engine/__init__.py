@@ -5,6 +5,7 @@ from lightning_fsdp.engine.checkpointing import apply_activation_checkpointing
 from lightning_fsdp.engine.clip import clip_grad_norm_, clip_grad_value_
 from lightning_fsdp.engine.contexts import no_sync, set_requires_gradient_sync, summon_full_params
 from lightning_fsdp.engine.deferred_init import meta_build
+from lightning_fsdp.engine.optimizers import UpdateScope, declare_update_scope, prepare_optimizer
 from lightning_fsdp.engine.options import BackwardPrefetch, CrossHostPrecision, MixedPrecision, ShardingStrategy
 from lightning_fsdp.engine.policies import ModuleClassPolicy, SizeBasedPolicy, size_based_policy
 from lightning_fsdp.engine.release import release
@@ -18,11 +19,14 @@ __all__ = [
     "ModuleClassPolicy",
     "ShardingStrategy",
     "SizeBasedPolicy",
+    "UpdateScope",
     "clip_grad_norm_",
     "clip_grad_value_",
+    "declare_update_scope",
     "fully_shard",
     "meta_build",
     "no_sync",
+    "prepare_optimizer",
     "release",
     "set_requires_gradient_sync",
     "size_based_policy",

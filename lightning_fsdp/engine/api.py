@@ -20,6 +20,7 @@ from lightning_fsdp.engine.host_memory import keep_freed_memory
 from lightning_fsdp.engine.load_hooks import install_load_hooks
 from lightning_fsdp.engine.module_buffers import broadcast_from_first
 from lightning_fsdp.engine.optimizer_guard import record_replaced
+from lightning_fsdp.engine.optimizers import install_step_hook
 from lightning_fsdp.engine.options import (
     BackwardPrefetch,
     CrossHostPrecision,
@@ -177,6 +178,7 @@ def fully_shard(
     hooks.guard_ungathered_calls(unit_of(module))
     _mark_fsdp_managed(module)
     install_load_hooks(module)  # module.load_state_dict takes full state dicts: see load_hooks.py
+    install_step_hook()  # see [Note: an optimizer is prepared before its first step] in optimizers/prepare.py
     if groups.sync.size() > 1 and unit_of(module).compute_device().type == "cpu":
         keep_freed_memory(model_bytes)  # see [Note: freed memory stays with the process]
     return module

@@ -241,7 +241,20 @@ class RootContext:
         )
 
     def transport_of(self, group: ProcessGroup | None) -> Transport:
+        if id(group) not in self.transports:  # given up by ``relaid``: chosen again, on every rank at this same use
+            self._choose_transports()
         return self.transports[id(group)]
+
+    def relaid(self) -> None:
+        """Some units now hold tensors whole (see [Note: whole tensors] in whole_tensors.py), between steps: a
+        transport that keeps shards at home (shared memory) is given up, to be chosen again -- homes and all, for
+        the new shards -- at its next use; the embeddings' lookups are chosen again for the rows that remain."""
+        for group_id, transport in list(self.transports.items()):
+            if transport.keeps_shards_at_home:
+                del self.transports[group_id]
+        for unit in self.units:
+            if id(unit.shard_group) in self.transports:
+                unit.choose_looked_up_rows(self.transports[id(unit.shard_group)])
 
     def sync_buffers_for_evaluation(self, training: bool) -> None:
         """The first forward in eval mode after training: every rank takes rank 0's buffers, so that validation

@@ -34,7 +34,7 @@ unsharded tensors are left alone (freed), so training afterwards gathers in ``pa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -49,16 +49,23 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Where this rank's rows of one parameter lie: rows ``[start, start + local_rows)`` of the full tensor."""
+    """Where this rank's rows of one parameter lie: rows ``[start, start + local_rows)`` of the full tensor.
+
+    Spread over the ranks (``owner`` None), rank r holds rows ``[r * chunk_rows, (r + 1) * chunk_rows)``; held whole
+    (see [Note: whole tensors] in ``whole_tensors.py``), rank ``owner`` holds every row and the others none.
+    """
 
     rows: int  # dim 0 of the full tensor (1 for a 0-dim parameter)
     row_numel: int  # elements per row
-    chunk_rows: int  # rows per rank, padded: ceil(rows / world_size)
+    chunk_rows: int  # rows per rank, padded: ceil(rows / world_size); every row for a tensor held whole
     world_size: int
     rank: int
+    owner: int | None = None  # the rank holding the whole tensor; None: rows spread over the ranks
 
     @property
     def start(self) -> int:
+        if self.owner is not None:
+            return 0 if self.rank == self.owner else self.rows
         return min(self.rank * self.chunk_rows, self.rows)
 
     @property
@@ -88,6 +95,15 @@ class ShardLayout:
     def unpad(self, by_rank: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """Every rank's padded shard (world_size, shard_numel) as the full tensor."""
         return by_rank.reshape(-1)[: shape.numel()].view(shape)
+
+    @property
+    def spans_ranks(self) -> bool:
+        """Whether the rows lie on more than one rank: what an optimizer that reads whole tensors must not see."""
+        return self.owner is None and self.world_size > 1 and self.rows > 1
+
+    def held_by(self, owner: int) -> ShardLayout:
+        """This layout with every row on ``owner``."""
+        return replace(self, chunk_rows=self.rows, owner=owner)
 
     @staticmethod
     def for_shape(shape: torch.Size, rank: int, world_size: int) -> ShardLayout:
@@ -160,8 +176,8 @@ class FSDPParam:
         with torch.no_grad():
             start = layout.start * layout.row_numel
             self._padded_shard[:n_local].copy_(self.flat(param.detach())[start : start + n_local])
-        shard_shape = torch.Size((layout.local_rows, *param.shape[1:]) if param.dim() > 0 else (layout.local_rows,))
-        self.sharded = nn.Parameter(self.laid_out(self._padded_shard[:n_local], shard_shape), param.requires_grad)
+        shard = self.laid_out(self._padded_shard[:n_local], self._shard_shape())
+        self.sharded = nn.Parameter(shard, param.requires_grad)
         # The full tensor lives in a padded buffer so the all-gather output copies into it in one fused op.
         padded_full = torch.empty(layout.padded_numel, dtype=dtype, device=self.compute_device)
         self.unsharded = nn.Parameter(self.laid_out(padded_full[: param.numel()], param.shape), param.requires_grad)
@@ -197,9 +213,13 @@ class FSDPParam:
 
         Re-synced first if the user replaced ``.data`` (the optimizer steps in place, so normally it is the same).
         """
+        self.resync_shard()
+        return self._padded_shard.to(self.compute_device, non_blocking=True)
+
+    def resync_shard(self) -> None:
+        """Copy the registered shard into the padded one if the user replaced its ``.data``."""
         if self.sharded.data_ptr() != self._padded_shard.data_ptr() and self.sharded.numel() > 0:
             self._padded_shard[: self.sharded.numel()].copy_(self.flat(self.sharded.detach()))
-        return self._padded_shard.to(self.compute_device, non_blocking=True)
 
     def move_shard_to(self, home: torch.Tensor) -> None:
         """Keep the padded shard in ``home`` (1-D, its numel and dtype) from now on: the registered shard becomes a
@@ -207,8 +227,33 @@ class FSDPParam:
         there. See [Note: shards that live in shared memory] in ``transport/shm.py``."""
         with torch.no_grad():
             home.copy_(self.padded_shard)
-        self._padded_shard = home
-        self.sharded.data = self.laid_out(home[: self.sharded.numel()], self.sharded.shape)
+        self.point_shard_at(home)
+
+    def point_shard_at(self, padded: torch.Tensor) -> None:
+        """Make ``padded`` (1-D, holding this rank's shard first) the shard's memory, with no copy."""
+        self._padded_shard = padded
+        self.sharded.data = self.laid_out(padded[: self.sharded.numel()], self.sharded.shape)
+
+    def hold_whole(
+        self, owner: int, full: torch.Tensor, shard: torch.Tensor, gathered: torch.Tensor, buffer: torch.Tensor
+    ) -> None:
+        """Live whole on ``owner`` from now on (see [Note: whole tensors] in ``whole_tensors.py``), starting from the
+        value ``full``. ``shard``: this rank's place in the unit's segment of whole tensors (the tensor's numel on the
+        owner, empty elsewhere), which becomes the registered shard's memory; ``gathered``: the parameter's place in
+        ``buffer``, the segments' gathered buffer (allocated now), which becomes the unsharded tensor's. Both
+        Parameters keep their identity: the optimizer's hold on the shard, autograd's hooks on the full tensor stay."""
+        self.layout = self.layout.held_by(owner)
+        with torch.no_grad():
+            if shard.numel():
+                shard.copy_(self.flat(full))
+        self._padded_shard = shard
+        self.sharded.data = self.laid_out(shard, self._shard_shape())
+        self.unsharded.data = self.laid_out(gathered, self.shape)
+        self._unsharded_data = buffer.data  # shared by every whole tensor of the unit: allocated and freed together
+
+    def _shard_shape(self) -> torch.Size:
+        rest = self.shape[1:] if len(self.shape) > 0 else ()
+        return torch.Size((self.layout.local_rows, *rest))
 
     @property
     def unsharded_buffer(self) -> torch.Tensor:
@@ -248,6 +293,8 @@ class FSDPParam:
         The reduced gradient comes in ``reduce_dtype`` on the compute device; ``.grad`` is kept in the shard's
         own dtype and device (fp32 master gradients, in CPU memory under offload).
         """
+        if not self.sharded.numel():  # no rows here: no gradient, which an optimizer skips (an empty one it may not)
+            return
         grad = self.laid_out(reduced_shard[: self.sharded.numel()], self.sharded.shape)
         if self.sharded.grad is None:
             self.sharded.grad = grad.to(device=self.sharded.device, dtype=self.sharded.dtype)
@@ -298,31 +345,3 @@ def dim_order(param: torch.Tensor) -> list[int]:
     if order[0] != 0 or not param.permute(order).is_contiguous():
         return contiguous
     return order
-
-
-def gather_masters(params: list[FSDPParam]) -> list[tuple[FSDPParam, torch.Tensor]]:
-    """Every parameter's full tensor in its shards' own dtype: one all-gather of the unit's packed shards.
-
-    The shards are packed as the forward's all-gather packs them (padded, rank-major), so parameter ``i``'s rows
-    from rank ``r`` lie at row ``r`` of the output viewed as (world_size, packed numel). A parameter kept whole
-    (no shard group, or a group of one) is its shard.
-    """
-    whole = [(p, p.sharded.detach().view(p.shape)) for p in params if p.group is None or p.layout.world_size == 1]
-    by_dtype: dict[torch.dtype, list[FSDPParam]] = {}
-    for p in params:
-        if p.group is not None and p.layout.world_size > 1:
-            by_dtype.setdefault(p.sharded.dtype, []).append(p)
-    gathered = []
-    for sharded in by_dtype.values():
-        send = torch.cat([p.padded_shard.reshape(-1) for p in sharded])
-        world_size = sharded[0].layout.world_size
-        output = send.new_empty(world_size * send.numel())
-        _all_gather_flat(output, send, group=sharded[0].group)
-        by_rank = output.view(world_size, -1)
-        offset = 0
-        for p in sharded:
-            numel = p.layout.shard_numel
-            flat = by_rank[:, offset : offset + numel].reshape(-1)[: p.layout.rows * p.layout.row_numel]
-            gathered.append((p, p.laid_out(flat, p.shape)))
-            offset += numel
-    return whole + gathered

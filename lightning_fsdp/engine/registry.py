@@ -24,12 +24,14 @@ if TYPE_CHECKING:
 
 _UNIT_OF_MODULE: WeakKeyDictionary[nn.Module, ref[FSDPUnit]] = WeakKeyDictionary()
 _PARAM_OF_SHARD = WeakIdKeyDictionary()  # shard -> ref[FSDPParam]
+_UNIT_OF_SHARD = WeakIdKeyDictionary()  # shard -> ref[FSDPUnit]
 
 
 def register_unit(unit: FSDPUnit) -> None:
     _UNIT_OF_MODULE[unit.module] = ref(unit)
     for fsdp_param in unit.params:
         _PARAM_OF_SHARD[fsdp_param.sharded] = ref(fsdp_param)
+        _UNIT_OF_SHARD[fsdp_param.sharded] = ref(unit)
 
 
 def unit_of(module: nn.Module) -> FSDPUnit | None:
@@ -40,6 +42,13 @@ def unit_of(module: nn.Module) -> FSDPUnit | None:
 def units_under(module: nn.Module) -> list[FSDPUnit]:
     """Every unit in ``module``'s subtree, in module (pre-)order: parents before children."""
     return [unit for m in module.modules() if (unit := unit_of(m)) is not None]
+
+
+def unit_holding(fsdp_param: FSDPParam) -> FSDPUnit:
+    """The unit that gathers and reduces ``fsdp_param``."""
+    unit = _UNIT_OF_SHARD[fsdp_param.sharded]()
+    assert unit is not None, f"{fsdp_param} outlived its unit"
+    return unit
 
 
 def fsdp_param_of(tensor: torch.Tensor) -> FSDPParam | None:

@@ -29,8 +29,10 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lightning_fsdp.engine.masters import gather_masters
 from lightning_fsdp.engine.module_buffers import broadcast_buffers
-from lightning_fsdp.engine.param import FSDPParam, gather_masters
+from lightning_fsdp.engine.optimizers import prepare_optimizer
+from lightning_fsdp.engine.param import FSDPParam
 from lightning_fsdp.engine.registry import fsdp_param_of, units_under
 from lightning_fsdp.engine.unit import TrainingState
 
@@ -48,7 +50,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, Ten
     gathered: dict[int, Tensor] = {}
     with torch.no_grad():
         for unit in units_under(module):
-            for fsdp_param, full in gather_masters(unit.params):
+            for fsdp_param, full in gather_masters(unit.params, unit.wholes):
                 if keep:
                     gathered[id(fsdp_param)] = full.to("cpu", copy=True)
     if not keep:
@@ -68,30 +70,20 @@ def sharded_state_dict(module: nn.Module) -> dict[str, Tensor]:
     """
     check_idle(module, "sharded_state_dict")
     broadcast_buffers(module)
-    return {name: as_dtensor(value) for name, value in module.state_dict(keep_vars=True).items()}
+    state = {name: as_dtensor(value) for name, value in module.state_dict(keep_vars=True).items()}
+    return {name: value for name, value in state.items() if value is not None}
 
 
-def write_back_scalars(
-    module: nn.Module,
-    model_state: Mapping[str, Any],
-    optimizer_states: Mapping[torch.optim.Optimizer, Any] | None = None,
-) -> None:
-    """After an in-place load (``torch.distributed.checkpoint.load``) into ``sharded_state_dict`` and
-    ``sharded_optimizer_state_dict``: copy the values of sharded 0-dim parameters, and of their per-row optimizer
-    state, into the one rank that holds their row. Their checkpoint form is a copy of the value on every rank (there
-    is no row to alias on the others), so the load changed only the copy.
+def write_back_scalars(module: nn.Module, model_state: Mapping[str, Any]) -> None:
+    """After an in-place load (``torch.distributed.checkpoint.load``) into ``sharded_state_dict``: copy the values of
+    sharded 0-dim parameters into the one rank that holds their row. Their checkpoint form is a copy of the value on
+    every rank (there is no row to alias on the others), so the load changed only the copy. (Their optimizer state
+    lives on that rank alone and loads in place.)
     """
-    names = parameter_names(module)
     with torch.no_grad():
         for name, value in module.state_dict(keep_vars=True).items():
             if name in model_state and _is_scalar_shard(value):
                 _copy_scalar(value.detach(), model_state[name])
-        for optimizer, state in (optimizer_states or {}).items():
-            for param, param_state in optimizer.state.items():
-                saved = state["state"].get(names[id(param)], {})
-                for key, value in param_state.items():
-                    if _is_scalar_shard(param) and _is_per_row(value, param) and key in saved:
-                        _copy_scalar(value, saved[key])
 
 
 def _is_scalar_shard(value: Tensor) -> bool:
@@ -108,9 +100,13 @@ def _copy_scalar(local: Tensor, loaded: Tensor) -> None:
         local.reshape(-1)[:1].copy_(loaded.reshape(-1))
 
 
-def as_dtensor(value: Tensor) -> Tensor:
-    """A registered tensor in its sharded-checkpoint form: a DTensor for a shard, the tensor itself otherwise."""
+def as_dtensor(value: Tensor) -> Tensor | None:
+    """A registered tensor in its sharded-checkpoint form: a DTensor for a shard, the tensor itself otherwise; a tensor
+    held whole (see [Note: whole tensors] in whole_tensors.py) as itself on its owner, None on the other ranks (DCP
+    saves what any rank gives and loads each rank's own, so the checkpoint holds the same as for rows)."""
     fsdp_param = fsdp_param_of(value) if isinstance(value, nn.Parameter) else None
+    if fsdp_param is not None and fsdp_param.layout.owner is not None:
+        return value.detach() if fsdp_param.layout.owner == fsdp_param.layout.rank else None
     if fsdp_param is None or fsdp_param.layout.world_size == 1 or len(fsdp_param.shape) == 0:
         return _whole(value, fsdp_param)
     return _shard_dtensor(value.detach(), fsdp_param)
@@ -217,6 +213,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
     Optimizers create their state lazily at the first step; a sharded load writes into existing tensors.
     """
+    prepare_optimizer(optimizer)  # before the zero learning rate below, at which no step shows what it reads
     if optimizer.state:
         return
     saved_lrs = [group.get("lr") for group in optimizer.param_groups]
@@ -224,7 +221,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         if "lr" in group:
             group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], Tensor) else 0.0
         for param in group["params"]:
-            if param.grad is None and param.requires_grad:
+            if param.grad is None and param.requires_grad and param.numel():  # an empty shard gets no gradient
                 param.grad = torch.zeros_like(param)
     optimizer.step()
     for group, lr in zip(optimizer.param_groups, saved_lrs, strict=True):
@@ -238,7 +235,7 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
 
     ``{"state": {name: {key: value}}, "param_groups": [{hyperparameters..., "params": [name, ...]}]}``. A state
     tensor shaped like its shard (Adam's moments) becomes a ``Shard(0)`` DTensor of the full shape; anything else
-    (a step count) stays as it is.
+    (a step count) stays as it is. A tensor held whole has its state on its owner only, as it is.
     """
     names = parameter_names(module)
     state: dict[str, dict[str, Any]] = {}
@@ -255,9 +252,52 @@ def _state_as_dtensor(value: Any, param: Tensor) -> Any:
     fsdp_param = fsdp_param_of(param)
     if fsdp_param is None or not _is_per_row(value, param) or fsdp_param.layout.world_size == 1:
         return value
-    if len(fsdp_param.shape) == 0:  # like the parameter: its one row's value, on every rank (see write_back_scalars)
-        return _whole(value, fsdp_param)
+    if fsdp_param.layout.owner is not None or fsdp_param.layout.rows <= 1:  # on one rank, which alone has state
+        return value.view(fsdp_param.shape)
     return _shard_dtensor(value, fsdp_param)
+
+
+def full_param_state(param: Tensor, state: Mapping[str, Any]) -> dict[str, Any]:
+    """One parameter's optimizer state at full shapes, on every rank of its shard group: tensors shaped like the
+    parameter's rows gathered from every rank's, anything else as the rank holding the first rows (or the whole
+    tensor) keeps it. ``state`` is this rank's, empty where it holds no element of the parameter. A collective over the
+    shard group: every rank calls it for the same parameters in the same order."""
+    fsdp_param = fsdp_param_of(param)
+    if fsdp_param is None or fsdp_param.layout.world_size == 1:
+        return dict(state)
+    layout, group = fsdp_param.layout, fsdp_param.group
+    holder = layout.owner if layout.owner is not None else 0
+    mine = {key: (_on_cpu(value), _is_per_row(value, param)) for key, value in state.items()}
+    one_holder = layout.owner is not None or layout.rows <= 1  # one rank holds every row: its state is the state
+    if not one_holder:  # per-row tensors go by their rows below: say only their dtype here
+        mine = {key: (value.dtype, True) if per_row else (value, False) for key, (value, per_row) in mine.items()}
+    described = [mine if layout.rank == holder else None]
+    dist.broadcast_object_list(described, src=dist.get_global_rank(group, holder), group=group)
+    if one_holder:
+        shaped = {
+            key: value.reshape(fsdp_param.shape) if per_row else value for key, (value, per_row) in described[0].items()
+        }
+        return shaped
+    return {
+        key: _gather_rows(fsdp_param, state.get(key), value) if per_row else value
+        for key, (value, per_row) in described[0].items()
+    }
+
+
+def _on_cpu(value: Any) -> Any:
+    """A state value as it can travel between ranks (pickled: a CUDA tensor would land on the sender's device)."""
+    return value.detach().cpu() if isinstance(value, Tensor) else value
+
+
+def _gather_rows(fsdp_param: FSDPParam, local: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The full tensor of a per-row value whose rows the ranks hold as they hold the parameter's (None: no rows)."""
+    layout = fsdp_param.layout
+    padded = torch.zeros(layout.shard_numel, dtype=dtype, device=fsdp_param.compute_device)
+    if local is not None and local.numel():
+        padded[: local.numel()].copy_(fsdp_param.flat(local.detach()))
+    output = padded.new_empty(layout.world_size * layout.shard_numel)
+    dist.all_gather_into_tensor(output, padded, group=fsdp_param.group)
+    return fsdp_param.laid_out(output[: fsdp_param.shape.numel()], fsdp_param.shape)
 
 
 def apply_optimizer_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:

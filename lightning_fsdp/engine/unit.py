@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
@@ -32,12 +32,14 @@ from torch.utils.hooks import RemovableHandle
 from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, value_checksum
 from lightning_fsdp.engine.looked_up_rows import LookedUpRows, looks_up_rows_only
+from lightning_fsdp.engine.masters import gather_grads, gather_masters
 from lightning_fsdp.engine.options import ShardingOptions
-from lightning_fsdp.engine.param import FSDPParam, gather_masters
+from lightning_fsdp.engine.param import FSDPParam
 from lightning_fsdp.engine.sparse_rows import RowRegion, sum_over_replicas_by_rows
 from lightning_fsdp.engine.step_stats import STEP_STATS
 from lightning_fsdp.engine.transport import Pending, Transport, standalone_transport
 from lightning_fsdp.engine.transport.ledger import Stamp
+from lightning_fsdp.engine.whole_tensors import WholeTensors
 
 # Gradients of at least this many bytes that arrive while other units' backward is still to run are reduced at
 # once, in a collective of their own: see [Note: gradients that arrive long before their unit's backward ends].
@@ -82,6 +84,9 @@ class PendingGradReduction:
     params: list[FSDPParam] | list[nn.Parameter]  # what the reduced buffer holds, in its order
     had_grad: list[bool]
     divide_after: bool  # fp32 divides the (W-times smaller) result, unless the transport divides exactly for free
+    # After ``params``: the segments of whole tensors it holds, each with the parameters packed there and which had
+    # a gradient (see [Note: whole tensors] in whole_tensors.py).
+    wholes: list[tuple[WholeTensors, list[FSDPParam], list[bool]]] = field(default_factory=list)
 
     def finish(self) -> None:
         with record_function("lightning_fsdp.wait_reduce"):
@@ -90,7 +95,7 @@ class PendingGradReduction:
             STEP_STATS.blocked_since(started)
             if self.divide_after:  # an average over ranks, as DDP and the unsharded reference compute
                 reduced.div_(self.unit.total_world_size)
-            self.unit.accept_reduced_grads(reduced, self.params, self.had_grad)
+            self.unit.accept_reduced_grads(reduced, self.params, self.had_grad, self.wholes)
 
 
 class FSDPUnit:
@@ -146,6 +151,7 @@ class FSDPUnit:
         self.awaits_final_callback = False  # frozen parameters, no input needing a gradient: stage 6 finishes it
         self._call_guards: list[RemovableHandle] = []  # see [Note: a submodule called while its unit is sharded]
         self.looked_up: list[LookedUpRows] = []  # see [Note: an embedding's rows as they are looked up]
+        self.wholes: list[WholeTensors] = []  # see [Note: whole tensors] in whole_tensors.py
 
     # ----- the state machine: every change of the fields above goes through these methods ------------------------
 
@@ -233,7 +239,7 @@ class FSDPUnit:
             rows.remove()
         self.looked_up = []
         if transport.gathers_rows and self.options.gather_embedding_by_rows and not self.is_whole:
-            self.looked_up = [LookedUpRows(self, p) for p in self.params if looks_up_rows_only(p)]
+            self.looked_up = [LookedUpRows(self, p) for p in self.row_params if looks_up_rows_only(p)]
 
     def shard_home_bytes(self) -> tuple[int, ...]:
         """The bytes of each of this unit's padded shards where a transport may keep them (see [Note: shards that
@@ -243,19 +249,50 @@ class FSDPUnit:
         dtype = self.params[0].sharded.dtype
         on_cpu = all(p.sharded.device.type == "cpu" and p.compute_device.type == "cpu" for p in self.params)
         same_dtype = all(p.sharded.dtype == dtype for p in self.params)
-        sizes = tuple(p.layout.shard_numel * dtype.itemsize for p in self.params)
+        sizes = tuple(numel * dtype.itemsize for numel in self._shard_numels())
         if not (on_cpu and same_dtype and all(sizes)) or (self.options.mixed_precision.param_dtype or dtype) != dtype:
             return ()
         return sizes
+
+    def _shard_numels(self) -> list[int]:
+        """The elements of each shard this unit's all-gather sends: its rows' parameters', then its segments of
+        whole tensors."""
+        return [p.layout.shard_numel for p in self.row_params] + [whole.columns for whole in self.wholes]
 
     def keep_shards_at_home(self, transport: Transport) -> None:
         """Move the shards into the home ``transport`` has for them, if it has one."""
         if not self.shard_home_bytes():
             return
-        dtype = self.params[0].sharded.dtype
-        homes = transport.home_for_shards([p.layout.shard_numel for p in self.params], dtype)
-        for fsdp_param, home in zip(self.params, homes or [], strict=False):
+        homes = transport.home_for_shards(self._shard_numels(), self.params[0].sharded.dtype)
+        if homes is None:
+            return
+        for fsdp_param, home in zip(self.row_params, homes, strict=False):
             fsdp_param.move_shard_to(home)
+        for whole, home in zip(self.wholes, homes[len(self.row_params) :], strict=True):
+            whole.move_to(home)
+
+    @property
+    def row_params(self) -> list[FSDPParam]:
+        """The parameters whose rows are spread over the ranks (all but those held whole)."""
+        return [p for p in self.params if p.layout.owner is None]
+
+    def hold_whole(self, params: list[FSDPParam], owners: list[int]) -> None:
+        """From now on ``params`` (some of this unit's, spread by rows) live whole on ``owners``, with their values
+        and gradients (see [Note: whole tensors] in whole_tensors.py). A collective over the shard group, between
+        steps; the transport keeps the new layout once the root has chosen it again (``RootContext.relaid``)."""
+        self._expect("hold tensors whole", TrainingState.IDLE)
+        if self.summoned or self.shard_state is not ShardState.SHARDED:
+            raise RuntimeError(f"unit '{self.name}' can change its layout only between steps, outside summon.")
+        with torch.no_grad():
+            full = [value for _, value in gather_masters(params)]
+            grads = gather_grads(params)
+            gather_dtype = self.options.mixed_precision.param_dtype or params[0].sharded.dtype
+            whole = WholeTensors(params, owners, full, gather_dtype)
+            for fsdp_param, grad in zip(params, grads, strict=True):
+                fsdp_param.sharded.grad = None
+                if grad is not None and fsdp_param.sharded.numel():
+                    fsdp_param.sharded.grad = torch.empty_like(fsdp_param.sharded).copy_(grad)
+        self.wholes.append(whole)
 
     @property
     def needs_gather(self) -> bool:
@@ -305,7 +342,8 @@ class FSDPUnit:
                 "used both inside and outside a reentrant activation-checkpointed region: use "
                 "`checkpoint(..., use_reentrant=False)` (the engine's apply_activation_checkpointing does)."
             )
-        self.arrived.append(fsdp_param)
+        if fsdp_param.layout.owner is None:  # a whole tensor's memory is its segment's: freed with the unit's
+            self.arrived.append(fsdp_param)
 
     def reduce_arrived_early(self) -> PendingGradReduction | None:
         """Reduce the gradients that arrived so far and free their full parameters, while the backward of other
@@ -387,9 +425,13 @@ class FSDPUnit:
             fsdp_param.register_sharded()
             if not gathering:
                 fsdp_param.free_unsharded()
+        # The same Parameters, their .data swapped: the optimizer's state keyed by them stays valid.
+        for fsdp_param in self.row_params:
             if transport is not None and transport.holds(fsdp_param.padded_shard):
-                # the same Parameter, its .data swapped: the optimizer's state keyed by it stays valid
                 fsdp_param.move_shard_to(torch.empty_like(fsdp_param.padded_shard))
+        for whole in self.wholes:
+            if transport is not None and transport.holds(whole.padded_shard):
+                whole.move_to(torch.empty_like(whole.padded_shard))
         for rows in self.looked_up:  # chosen again with the next root's transport (``choose_looked_up_rows``)
             rows.end()
         self.host_rows, self.context = None, None
@@ -431,8 +473,10 @@ class FSDPUnit:
             trainable = [p for p in self.replicated if p.requires_grad]
             dtype = mixed.effective_reduce_dtype or (trainable[0].dtype if trainable else torch.float32)
             return {"all_reduce": sum(p.numel() for p in trainable) * dtype.itemsize}
-        shard_numel = sum(p.layout.shard_numel for p in self.params)
-        trainable_numel = sum(p.layout.shard_numel for p in self.params if p.requires_grad)
+        shard_numel = sum(self._shard_numels())
+        trainable_numel = sum(p.layout.shard_numel for p in self.row_params if p.requires_grad) + sum(
+            whole.columns for whole in self.wholes if any(p.requires_grad for p in whole.params)
+        )
         param_dtype = mixed.param_dtype or self.params[0].sharded.dtype
         reduce_dtype = mixed.effective_reduce_dtype or param_dtype
         return {
@@ -476,12 +520,12 @@ class FSDPUnit:
             for rows in self.looked_up:
                 rows.begin(active=by_lookup)
             left_out = {id(rows.param) for rows in self.looked_up if rows.active}
-            gathered = [fsdp_param for fsdp_param in self.params if id(fsdp_param) not in left_out]
-            shards = [fsdp_param.padded_shard for fsdp_param in gathered]
+            gathered = [p for p in self.row_params if id(p) not in left_out] + self.wholes
+            shards = [entry.padded_shard for entry in gathered]
             dtype = self.options.mixed_precision.param_dtype or self.params[0].sharded.dtype
             numel = sum(shard.numel() for shard in shards)
             stamp = self.stamp("all-gather", numel, dtype) if self.world_size > 1 and gathered else None
-            dests = [fsdp_param.unsharded_buffer for fsdp_param in gathered]
+            dests = [entry.unsharded_buffer for entry in gathered]
             transport = self.transport()
             started = time.perf_counter()
             if not gathered:
@@ -555,7 +599,7 @@ class FSDPUnit:
         if self.shard_state is not ShardState.SHARDED:
             self.reshard()
         with record_function("lightning_fsdp.summon"), torch.no_grad():
-            for fsdp_param, full in gather_masters(self.params):
+            for fsdp_param, full in gather_masters(self.params, self.wholes):
                 fsdp_param.register_summoned(full)
         self.summoned = True
 
@@ -593,13 +637,20 @@ class FSDPUnit:
             return self._all_reduce_grads()
 
     def _reduce_scatter_grads(self, trainable: list[FSDPParam]) -> PendingGradReduction:
+        spread = [p for p in trainable if p.layout.owner is None]
         rows, had_grad = [], []
-        for fsdp_param in trainable:
+        for fsdp_param in spread:
             grad = fsdp_param.unsharded.grad
             had_grad.append(grad is not None)
             flat = fsdp_param.flat(grad) if grad is not None else fsdp_param.unsharded.new_empty(0)  # empty: zeros
             sparse_rows = fsdp_param.layout.row_numel if fsdp_param.rows_sparse else 0
             rows.append(RankRows(flat, fsdp_param.layout.shard_numel, sparse_rows))
+        wholes, taking = [], {id(p) for p in trainable}
+        for whole in self.wholes:
+            packed = [p for p in whole.params if id(p) in taking]
+            if packed:
+                rows.append(whole.grad_rows(packed))
+                wholes.append((whole, packed, [p.unsharded.grad is not None for p in packed]))
         reduce_dtype = self.options.mixed_precision.effective_reduce_dtype or rows[0].flat.dtype
         numel = self.world_size * sum(row.columns for row in rows)
         stamp = self.stamp("reduce-scatter", numel, reduce_dtype) if self.world_size > 1 else None
@@ -611,12 +662,12 @@ class FSDPUnit:
         with torch.no_grad():  # the cast to reduce_dtype, if any, is the transport's packing copy
             pending = transport.reduce_scatter(rows, reduce_dtype, stamp, divide_by)
             if self.replicate_group is not None:  # HYBRID: sum the shard over the replicas too
-                pending = self._sum_over_replicas(pending, transport.synchronous, _row_regions(trainable))
+                pending = self._sum_over_replicas(pending, transport.synchronous, _row_regions(spread))
         STEP_STATS.blocked_since(started)
         STEP_STATS.reduced(self.name, transport.name, numel * reduce_dtype.itemsize)
         for fsdp_param in trainable:
             fsdp_param.unsharded.grad = None
-        return PendingGradReduction(self, pending, trainable, had_grad, divide_by is None)
+        return PendingGradReduction(self, pending, spread, had_grad, divide_by is None, wholes)
 
     def _sum_over_replicas(
         self, shard_sum: Pending[torch.Tensor], shard_stage_done: bool, row_regions: list[RowRegion]
@@ -663,10 +714,14 @@ class FSDPUnit:
         return self.total_world_size if dtype in (torch.float16, torch.bfloat16) else None
 
     def accept_reduced_grads(
-        self, reduced: torch.Tensor, params: list[FSDPParam] | list[nn.Parameter], had_grad: list[bool]
+        self,
+        reduced: torch.Tensor,
+        params: list[FSDPParam] | list[nn.Parameter],
+        had_grad: list[bool],
+        wholes: list[tuple[WholeTensors, list[FSDPParam], list[bool]]] = (),
     ) -> None:
         """Hand each of ``params`` (what the reduction packed, in order) that had a gradient its slice of the
-        reduced buffer (views: no copy)."""
+        reduced buffer (views: no copy), then the whole tensors this rank holds theirs from its segments."""
         offset = 0
         for param, arrived in zip(params, had_grad, strict=True):
             if isinstance(param, FSDPParam):
@@ -678,6 +733,9 @@ class FSDPUnit:
                 if arrived:
                     param.grad = reduced[offset : offset + numel].view_as(param).to(param.dtype)
             offset += numel
+        for whole, packed, arrived in wholes:
+            whole.accept_reduced(reduced[offset : offset + whole.columns], packed, arrived)
+            offset += whole.columns
 
 
 def _row_regions(params: list[FSDPParam]) -> list[RowRegion]:

@@ -48,7 +48,7 @@ from lightning_fsdp.checkpoint.async_save import BackgroundSaver
 from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_rank
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.remote import remote_refusal
-from lightning_fsdp.engine import MixedPrecision, clip_grad_norm_, clip_grad_value_, no_sync
+from lightning_fsdp.engine import MixedPrecision, clip_grad_norm_, clip_grad_value_, no_sync, prepare_optimizer
 from lightning_fsdp.engine.registry import unit_of
 from lightning_fsdp.engine.transport.whereabouts import set_phase
 from lightning_fsdp.fabric.checkpoint import (
@@ -238,13 +238,14 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """The optimizer with every parameter ``fully_shard`` replaced swapped for that parameter's shard."""
+        """The optimizer with every parameter ``fully_shard`` replaced swapped for that parameter's shard, prepared
+        for the shards (what it reads of each decides where it lives; see ``engine/optimizers/prepare.py``)."""
         stale = [p for group in optimizer.param_groups for p in group["params"] if p in self._replaced]
-        if not stale:
-            return optimizer
-        _refuse_stepped(optimizer)
-        for group in optimizer.param_groups:
-            group["params"] = [self._replaced.get(param, param) for param in group["params"]]
+        if stale:
+            _refuse_stepped(optimizer)
+            for group in optimizer.param_groups:
+                group["params"] = [self._replaced.get(param, param) for param in group["params"]]
+        prepare_optimizer(optimizer)  # before its first step: see [Note: an optimizer is prepared ...] in prepare.py
         return optimizer
 
     # ----- the step -------------------------------------------------------------------------------------------------

@@ -72,6 +72,7 @@ from lightning_fsdp.checkpoint.remote import remote_kind, remote_refusal, remove
 from lightning_fsdp.checkpoint.remote_last import resolve_remote_last
 from lightning_fsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_fsdp.engine import MixedPrecision, no_sync
+from lightning_fsdp.engine.optimizers import prepare_optimizer
 from lightning_fsdp.engine.registry import unit_of
 from lightning_fsdp.engine.state_dict import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict
 from lightning_fsdp.trainer.checkpoint_io import atomic_checkpoint_io
@@ -295,6 +296,8 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         check_optimizers_hold_shards(self.optimizers, self._module())
+        for optimizer in self.optimizers:  # before training and before a checkpoint's state: see prepare.py
+            prepare_optimizer(optimizer)
 
     @contextmanager
     @override

@@ -188,6 +188,11 @@ class Transport(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world_size={self.world_size})"
 
+    @property
+    def keeps_shards_at_home(self) -> bool:
+        """Whether units keep their shards in this transport's memory (``home_for_shards``)."""
+        return False
+
     def home_for_shards(self, numels: list[int], dtype: torch.dtype) -> list[torch.Tensor] | None:
         """Memory for a unit to keep its shards of ``numels`` elements in (one tensor a shard), so that gathering them
         packs nothing; None where the transport has none (see [Note: shards that live in shared memory] in

@@ -526,6 +526,10 @@ class SharedMemoryTransport(Transport):
 
     # ----- homes --------------------------------------------------------------------------------------------------
 
+    @property
+    def keeps_shards_at_home(self) -> bool:
+        return bool(self.home_shards)
+
     def home_for_shards(self, numels: list[int], dtype: torch.dtype) -> list[torch.Tensor] | None:
         """The next home, for a unit's shards of ``numels`` elements of ``dtype``: one 1-D tensor a shard, each a
         storage of its own. None once every home planned at creation is claimed (a unit that came later gathers

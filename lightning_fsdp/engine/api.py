@@ -178,7 +178,7 @@ def fully_shard(
     hooks.guard_ungathered_calls(unit_of(module))
     _mark_fsdp_managed(module)
     install_load_hooks(module)  # module.load_state_dict takes full state dicts: see load_hooks.py
-    install_step_hook()  # see [Note: an optimizer is prepared before its first step] in optimizers/prepare.py
+    install_step_hook(module)  # see [Note: an optimizer is prepared before its first step] in optimizers/prepare.py
     if groups.sync.size() > 1 and unit_of(module).compute_device().type == "cpu":
         keep_freed_memory(model_bytes)  # see [Note: freed memory stays with the process]
     return module

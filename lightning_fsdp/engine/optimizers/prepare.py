@@ -15,12 +15,14 @@ looks only at what is new; a parameter that already moved stays whole.
 from __future__ import annotations
 
 from typing import Any
-from weakref import WeakKeyDictionary
+from weakref import WeakKeyDictionary, finalize
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from lightning_fsdp.engine.optimizers.owners import plan_owners, work_of
 from lightning_fsdp.engine.optimizers.scope import (
@@ -34,14 +36,25 @@ from lightning_fsdp.engine.param import FSDPParam
 from lightning_fsdp.engine.registry import fsdp_param_of, unit_holding
 
 _PREPARED: WeakKeyDictionary[Optimizer, int] = WeakKeyDictionary()  # -> the parameters it held when prepared
-_installed: list[bool] = []
+_SHARDED: set[int] = set()  # ids of the modules ``fully_shard`` sharded, not yet collected
+_HOOK: list[RemovableHandle] = []  # the step hook, while ``_SHARDED`` is not empty
 
 
-def install_step_hook() -> None:
-    """Prepare every optimizer at its first step (see the Note); installed once, by the first ``fully_shard``."""
-    if not _installed:
-        register_optimizer_step_pre_hook(_prepare_before_step)
-        _installed.append(True)
+def install_step_hook(module: nn.Module) -> None:
+    """Prepare every optimizer at its first step (see the Note), while ``module`` or another model ``fully_shard``
+    sharded lives: the hook goes with the last of them, so that nothing of ours stays in the steps of every optimizer
+    of the process (see [Note: what a run gives back] in ``release.py``)."""
+    if id(module) not in _SHARDED:
+        _SHARDED.add(id(module))
+        finalize(module, _forget, id(module))
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_prepare_before_step))
+
+
+def _forget(module_id: int) -> None:
+    _SHARDED.discard(module_id)
+    if not _SHARDED and _HOOK:
+        _HOOK.pop().remove()
 
 
 def _prepare_before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:

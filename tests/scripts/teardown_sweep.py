@@ -156,21 +156,35 @@ def kept_model(tmp: Path) -> dict[str, Any]:
     }
 
 
+def fabric_step(fabric: L.Fabric, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    fabric.backward(model(torch.randn(4, WIDTH)).square().mean())
+    optimizer.step()
+
+
 def fabric_rounds() -> list[dict[str, Any]]:
+    """Odd rounds end with ``fabric.strategy.teardown()`` (what it left, the models still held), after which the
+    models step once more; every round ends by dropping everything."""
     records = []
     for round_ in range(ROUNDS):
         fabric = L.Fabric(accelerator="cpu", devices=2, strategy="myfsdp")
         fabric.launch()
-        refs = []
+        refs, models = [], []
         for _ in range(3):
             module = Blocks()
             model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters()))
-            fabric.backward(model(torch.randn(4, WIDTH)).square().mean())
-            optimizer.step()
+            fabric_step(fabric, model, optimizer)
             refs.append(weakref.ref(module))
-        del fabric, module, model, optimizer
+            models.append((model, optimizer))
+        at_teardown = None
+        if round_ % 2:
+            fabric.strategy.teardown()
+            at_teardown = left_by_the_run()
+            for model, optimizer in models:
+                fabric_step(fabric, model, optimizer)  # still usable: its next forward sets up again
+        del fabric, module, model, optimizer, models
         gc.collect()
-        records.append({"round": round_, "model_alive": any(ref() is not None for ref in refs), **footprint()})
+        run = {"round": round_, "at_teardown": at_teardown, "model_alive": any(ref() is not None for ref in refs)}
+        records.append({**run, **footprint()})
     return records
 
 

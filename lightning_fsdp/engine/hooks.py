@@ -251,7 +251,10 @@ class RootContext:
         the new shards -- at its next use; the embeddings' lookups are chosen again for the rows that remain."""
         for group_id, transport in list(self.transports.items()):
             if transport.keeps_shards_at_home:
+                for unit in self.units:
+                    unit.move_shards_out_of(transport)
                 del self.transports[group_id]
+                transport.close()
         for unit in self.units:
             if id(unit.shard_group) in self.transports:
                 unit.choose_looked_up_rows(self.transports[id(unit.shard_group)])

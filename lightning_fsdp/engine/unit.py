@@ -425,13 +425,8 @@ class FSDPUnit:
             fsdp_param.register_sharded()
             if not gathering:
                 fsdp_param.free_unsharded()
-        # The same Parameters, their .data swapped: the optimizer's state keyed by them stays valid.
-        for fsdp_param in self.row_params:
-            if transport is not None and transport.holds(fsdp_param.padded_shard):
-                fsdp_param.move_shard_to(torch.empty_like(fsdp_param.padded_shard))
-        for whole in self.wholes:
-            if transport is not None and transport.holds(whole.padded_shard):
-                whole.move_to(torch.empty_like(whole.padded_shard))
+        if transport is not None:
+            self.move_shards_out_of(transport)
         for rows in self.looked_up:  # chosen again with the next root's transport (``choose_looked_up_rows``)
             rows.end()
         self.host_rows, self.context = None, None
@@ -439,6 +434,17 @@ class FSDPUnit:
         self.training_state, self.forward_depth, self.prefetched = TrainingState.IDLE, 0, False
         self.grads_seen, self.input_grads_pending, self.awaits_final_callback = 0, 0, False
         self.arrived, self.reduced_early = [], set()
+
+    def move_shards_out_of(self, transport: Transport) -> None:
+        """Shards that live in ``transport``'s memory (homes: see [Note: shards that live in shared memory]) move into
+        memory of their own, before the transport closes. The same Parameters, their ``.data`` swapped: the
+        optimizer's state keyed by them stays valid."""
+        for fsdp_param in self.row_params:
+            if transport.holds(fsdp_param.padded_shard):
+                fsdp_param.move_shard_to(torch.empty_like(fsdp_param.padded_shard))
+        for whole in self.wholes:
+            if transport.holds(whole.padded_shard):
+                whole.move_to(torch.empty_like(whole.padded_shard))
 
     # ----- transports -------------------------------------------------------------------------------------------
 

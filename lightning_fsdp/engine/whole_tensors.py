@@ -52,6 +52,8 @@ class WholeTensors:
             self.offsets.append(used[owner])
             used[owner] += _aligned(fsdp_param.shape.numel())
         self.columns = max(used)
+        # The tensors in the order of their places in the gathered buffer (rank-major, then offset).
+        self._in_place_order = sorted(range(len(params)), key=lambda i: (owners[i], self.offsets[i]))
         shard_device = first.sharded.device
         pin = shard_device.type == "cpu" and first.compute_device.type == "cuda"
         self._segment = torch.zeros(self.columns, dtype=first.sharded.dtype, device=shard_device, pin_memory=pin)
@@ -104,13 +106,17 @@ class WholeTensors:
         each at its owner's segment, zeros elsewhere. One copy, the packing the transports would make anyway."""
         grads = [p.unsharded.grad for p in params]
         dtype = next((g.dtype for g in grads if g is not None), self._gathered.dtype)
-        flat = torch.zeros(self.world_size * self.columns, dtype=dtype, device=self._gathered.device)
+        flat = torch.empty(self.world_size * self.columns, dtype=dtype, device=self._gathered.device)
         wanted = {id(p) for p in params}
-        for fsdp_param, owner, offset in zip(self.params, self.owners, self.offsets, strict=True):
-            grad = fsdp_param.unsharded.grad
-            if id(fsdp_param) in wanted and grad is not None:
-                start = owner * self.columns + offset
+        written = 0  # everything before it is written: copied or zeroed (one pass, not a fill and then copies)
+        for index in self._in_place_order:
+            fsdp_param, start = self.params[index], self.owners[index] * self.columns + self.offsets[index]
+            grad = fsdp_param.unsharded.grad if id(fsdp_param) in wanted else None
+            if grad is not None:
+                flat[written:start].zero_()
                 flat[start : start + grad.numel()].copy_(fsdp_param.flat(grad))
+                written = start + grad.numel()
+        flat[written:].zero_()
         return RankRows(flat, self.columns)
 
     def accept_reduced(self, segment: torch.Tensor, params: list[FSDPParam], had_grad: list[bool]) -> None:

@@ -150,3 +150,21 @@ def test_the_hf_config_fine_tunes_lora_adapters(workdir: Path) -> None:
     run = run_fit("finetune_hf_llama.yaml", workdir)
     saved = torch.load(run.checkpoint, weights_only=True)["state_dict"]
     assert saved and all(name.endswith(("lora_a", "lora_b")) for name in saved), sorted(saved)[:4]
+
+
+def test_a_config_names_the_optimizer_by_class_path(workdir: Path) -> None:
+    """Adafactor named in a config (it reads whole tensors: each lives on one rank) trains and checkpoints whole."""
+    extra = workdir / "adafactor.yaml"
+    extra.write_text(
+        "model:\n  init_args:\n    optimizer:\n      class_path: torch.optim.Adafactor\n"
+        "      init_args:\n        lr: 0.01\n"
+        "trainer:\n  default_root_dir: runs/adafactor\n"
+        "  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+        "      init_args:\n        dirpath: runs/adafactor/checkpoints\n        save_last: true\n"
+    )
+    command = [sys.executable, "-m", "lightning_fsdp.cli", "fit", "--config", str(CONFIGS / "demo.yaml")]
+    command += ["--config", str(extra), *TINY, *TINY_GPT]
+    run_in_session(command, workdir, TIMEOUT, "demo.yaml with Adafactor")
+    saved = torch.load(workdir / "runs" / "adafactor" / "checkpoints" / "last.ckpt", weights_only=True)
+    states = saved["optimizer_states"][0]["state"].values()
+    assert states and all("row_var" in state or "variance" in state for state in states), list(states)[:1]

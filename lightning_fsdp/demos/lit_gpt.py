@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
@@ -60,6 +61,9 @@ class LitGPT(LightningModule):
             the model starts from (fine-tuning); None to start from random weights. Every rank reads the whole
             file into host memory before sharding, so this is for models that fit there.
         max_new_tokens: bytes :meth:`predict_step` generates after each prompt.
+        optimizer: how to build the optimizer from the parameter groups (two: with and without weight decay), named in
+            a config by its ``class_path`` (``torch.optim.Adafactor``, ``pytorch_optimizer.Lamb``, ...) with its own
+            ``init_args``; None for AdamW with ``lr`` and ``betas``. The schedule scales its learning rate alike.
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class LitGPT(LightningModule):
         freeze: list[str] | None = None,
         pretrained: str | None = None,
         max_new_tokens: int = 32,
+        optimizer: OptimizerCallable | None = None,
     ) -> None:
         super().__init__()
         if n_embd % n_head:
@@ -86,7 +91,8 @@ class LitGPT(LightningModule):
             raise ValueError(
                 f"warmup_steps must be >= 0 and min_lr_ratio in [0, 1], got {warmup_steps} and {min_lr_ratio}"
             )
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["optimizer"])  # a checkpoint holds plain data, no callable
+        self.make_optimizer = optimizer
         self.model: GPT | None = None  # built by configure_model
         # One metric object per stage: validation and test epochs must not share accumulated state.
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
@@ -206,7 +212,8 @@ class LitGPT(LightningModule):
 
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        """AdamW over the trainable parameters in two groups, and a per-step warm-up/cosine schedule.
+        """The optimizer (AdamW, or ``optimizer``'s) over the trainable parameters in two groups, and a per-step
+        warm-up/cosine schedule.
 
         Called after the strategy has sharded the model, so the optimizer holds (and steps) this rank's shards.
         """
@@ -217,9 +224,11 @@ class LitGPT(LightningModule):
             {"params": list(decay.values()), "weight_decay": self.hparams.weight_decay},
             {"params": list(no_decay.values()), "weight_decay": 0.0},
         ]
-        optimizer = torch.optim.AdamW(
-            [group for group in groups if group["params"]], lr=self.hparams.lr, betas=tuple(self.hparams.betas)
-        )
+        groups = [group for group in groups if group["params"]]
+        if self.make_optimizer is not None:
+            optimizer = self.make_optimizer(groups)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=tuple(self.hparams.betas))
         schedule = partial(
             warmup_cosine,
             warmup_steps=self.hparams.warmup_steps,

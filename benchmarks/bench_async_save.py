@@ -53,7 +53,7 @@ from lightning_fsdp.checkpoint.async_save import BackgroundSaver  # noqa: E402
 from lightning_fsdp.checkpoint.atomic import tensor_bytes  # noqa: E402
 from lightning_fsdp.checkpoint.sharded import save_sharded, sharded_checkpoint_state  # noqa: E402
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig  # noqa: E402
-from lightning_fsdp.engine.state_dict import init_optimizer_state  # noqa: E402
+from lightning_fsdp.engine.state.state_dict import init_optimizer_state  # noqa: E402
 from lightning_fsdp.runtime.launch import free_port, spawn_with_deadline  # noqa: E402
 from lightning_fsdp.runtime.process_exit import exit_now  # noqa: E402
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_fsdp import fully_shard  # noqa: E402
-from lightning_fsdp.engine.module_buffers import broadcast_buffers  # noqa: E402
+from lightning_fsdp.engine.features.module_buffers import broadcast_buffers  # noqa: E402
 from lightning_fsdp.runtime.launch import free_port, spawn_with_deadline  # noqa: E402
 from tests.conv_nets import BasicBlock, ResNet  # noqa: E402
 

@@ -70,7 +70,7 @@ from lightning_fsdp.checkpoint.full import (  # noqa: E402
 from lightning_fsdp.checkpoint.pretrained import load_pretrained  # noqa: E402
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded, sharded_checkpoint_state  # noqa: E402
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig  # noqa: E402
-from lightning_fsdp.engine.state_dict import full_state_dict, init_optimizer_state, load_full_state_dict  # noqa: E402
+from lightning_fsdp.engine.state.state_dict import full_state_dict, init_optimizer_state, load_full_state_dict  # noqa: E402
 from lightning_fsdp.runtime.launch import free_port, spawn_with_deadline  # noqa: E402
 from lightning_fsdp.runtime.process_exit import exit_now  # noqa: E402
 

@@ -38,7 +38,10 @@ from engine_bench.trainees import build, train_step  # noqa: E402
 
 from lightning_fsdp.demos.corpus import load_corpus, random_batches  # noqa: E402
 from lightning_fsdp.engine import hooks  # noqa: E402
-from lightning_fsdp.engine.transport import ledger, shm  # noqa: E402
+from lightning_fsdp.engine.transport import (
+    identity,
+    shm,  # noqa: E402
+)
 from lightning_fsdp.runtime.launch import free_port, spawn_with_deadline  # noqa: E402
 from lightning_fsdp.runtime.process_exit import exit_now  # noqa: E402
 
@@ -60,7 +63,7 @@ def _timed(owner: Any, name: str, label: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def _no_stamp(self: ledger.Ledger, kind: str, nbytes: int, label: str) -> None:
+def _no_stamp(self: identity.Ledger, kind: str, nbytes: int, label: str) -> None:
     """No identity at all: the baseline the gloo row is compared with (this benchmark only)."""
     return None
 
@@ -71,20 +74,20 @@ def _rank(rank: int, world_size: int, port: int, args: BenchArgs, steps: int, ou
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=600))
     _timed(hooks, "check_same_model", "fingerprint")  # hooks imported the name: wrap it where it is called
     for name in ("as_bytes", "digest", "verify_bytes", "verify_digest"):
-        _timed(ledger.Stamp, name, "identity")
+        _timed(identity.Stamp, name, "identity")
     _timed(shm.SharedMemoryTransport, "stamp", "identity")
     _timed(shm.SharedMemoryTransport, "verify", "identity")
-    _timed(ledger.Ledger, "stamp", "identity")
+    _timed(identity.Ledger, "stamp", "identity")
     tokens = load_corpus(max_bytes=CORPUS_BYTES)
     generator = torch.Generator().manual_seed(rank)
     lines = []
-    timed_stamp = ledger.Ledger.stamp
+    timed_stamp = identity.Ledger.stamp
     for name, transport, stamp in (
         ("shared memory", "1", timed_stamp),
         ("gloo alone", "0", timed_stamp),
         ("gloo, unchecked", "0", _no_stamp),  # the baseline: what the step costs without stamps
     ):
-        ledger.Ledger.stamp = stamp
+        identity.Ledger.stamp = stamp
         os.environ[shm.ENV_SWITCH] = transport
         SPENT.clear()
         trainee = build("ours", args)
@@ -98,11 +101,11 @@ def _rank(rank: int, world_size: int, port: int, args: BenchArgs, steps: int, ou
             train_step(trainee, optimizer, batches[1], args)
             times.append(time.perf_counter() - start)
         step = statistics.median(times)
-        identity = SPENT["identity"] / steps
+        identity_s = SPENT["identity"] / steps
         lines.append(
-            f"rank {rank} {name:>15s}: step {step * 1e3:7.1f} ms | identity checks {identity * 1e3:6.2f} ms/step "
-            f"= {identity / step:6.2%} | fingerprint once {fingerprint_s * 1e3:6.1f} ms = {fingerprint_s / step:6.2%} "
-            "of one step"
+            f"rank {rank} {name:>15s}: step {step * 1e3:7.1f} ms | identity checks {identity_s * 1e3:6.2f} ms/step "
+            f"= {identity_s / step:6.2%} | fingerprint once {fingerprint_s * 1e3:6.1f} ms "
+            f"= {fingerprint_s / step:6.2%} of one step"
         )
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, lines)

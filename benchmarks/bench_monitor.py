@@ -6,7 +6,8 @@
 
 The monitor must stay on in every run, so its cost must be noise: two counter copies and two clock readings per
 step, one all-gather of a few dozen numbers and one line of JSON per interval (and, on the engine's side, a few
-attribute updates per collective, present in both variants: ``engine/step_stats.py`` is always on). Two numbers:
+attribute updates per collective, present in both variants: ``engine/diagnostics/step_stats.py`` is always on). Two
+numbers:
 
 - "the monitor's own time": what its hooks took, timed from outside around ``on_train_batch_start`` and
   ``on_train_batch_end`` (the interval's report included), per step, the larger rank's; against the step.

@@ -7,7 +7,7 @@ One process, one thread, no communication: the peers' buffers are random memory 
 measured is only the memory traffic a rank pays for its own reduction, which does not depend on what the peers
 wrote. "packed" is the engine before: every row of the gradients packed into the slot (``pack_rows``), this rank's
 row summed from every rank's slot (``sum_rows``), and the fp32 average divided in a pass of its own. "own row" is
-the engine now (see [Note: the own row stays in the gradient] in ``lightning_fsdp/engine/collectives.py``): only
+the engine now (see [Note: the own row stays in the gradient] in ``lightning_fsdp/engine/packing.py``): only
 the peers' rows packed, the division folded into that copy and into the sum, the own row read from the gradients.
 Rounds alternate the two, and each prints its median over ``--repeats`` reductions; the two results are checked
 equal first (bit for bit when the world size is a power of two).
@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_fsdp.engine import collectives
-from lightning_fsdp.engine.collectives import RankRows
+from lightning_fsdp.engine.transport import packing
+from lightning_fsdp.engine.transport.packing import RankRows
 
 
 def block_gradients(n_embd: int, world_size: int) -> list[RankRows]:
@@ -50,14 +50,14 @@ def reductions(grads: list[RankRows], world_size: int) -> dict[str, Callable[[],
     rank = 0
 
     def packed() -> torch.Tensor:
-        collectives.pack_rows(grads, mine)
-        result = collectives.sum_rows([slot[rank] for slot in (mine, *peers_packed)])
+        packing.pack_rows(grads, mine)
+        result = packing.sum_rows([slot[rank] for slot in (mine, *peers_packed)])
         return result.div_(world_size)
 
     def own_row() -> torch.Tensor:
-        collectives.pack_peer_rows(grads, mine, rank, scale)
+        packing.pack_peer_rows(grads, mine, rank, scale)
         result = torch.empty(columns)
-        collectives.sum_own_row(grads, rank, [peer[rank] for peer in peers_divided], scale, result)
+        packing.sum_own_row(grads, rank, [peer[rank] for peer in peers_divided], scale, result)
         return result if folds else result.div_(world_size)
 
     return {"packed": packed, "own row": own_row}

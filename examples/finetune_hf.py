@@ -26,7 +26,7 @@ from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.checkpoint.full import save_full_checkpoint
 from lightning_fsdp.demos.datamodule import CharDataModule
 from lightning_fsdp.demos.hf_causal_lm import HFCausalLM
-from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.engine.state.state_dict import full_state_dict
 from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 

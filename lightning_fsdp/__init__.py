@@ -10,7 +10,7 @@ The layout, one folder per layer: ``engine/`` (the FSDP engine, torch only; ``en
 ``adapter/`` (what the two Lightning adapters share), ``trainer/`` (the Trainer's strategy), ``fabric/`` (Fabric's),
 ``checkpoint/`` (formats, safety, storage), ``averaging/`` (EMA), ``monitor/`` (where a step and the memory go),
 ``report/`` (the monitor's records as a page), ``runtime/`` (processes), ``demos/`` (the demo GPT and data),
-``cli.py`` with ``estimate.py`` (the command line). ``old_paths.py`` keeps the paths of the flat layout importable.
+``cli.py`` with ``estimate.py`` (the command line).
 """
 
 from __future__ import annotations
@@ -33,13 +33,12 @@ from lightning_fsdp.engine import (
     meta_build,
     no_sync,
     prepare_optimizer,
-    release,
     set_requires_gradient_sync,
     size_based_policy,
     summon_full_params,
     uneven_batches,
 )
-from lightning_fsdp.old_paths import keep_old_paths_importable
+from lightning_fsdp.engine.state import release
 
 if TYPE_CHECKING:
     from lightning_fsdp.averaging import ShardedEMA
@@ -70,7 +69,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'lightning_fsdp' has no attribute {name!r}")
 
 
-keep_old_paths_importable()  # lightning_fsdp.strategy and the other paths of the old layout
 register_when_lightning_loads()
 
 __all__ = [

@@ -1,8 +1,8 @@
 """BatchNorm's running statistics in checkpoints, as DDP keeps them: ranks fed different data drift apart, and both
 checkpoint forms hold rank 0's statistics (see [Note: buffers are rank 0's at every checkpoint] in
-engine/module_buffers.py), resuming from either ends where the uninterrupted run did, and ``convert`` of the sharded
-folder gives rank 0's statistics too, and evaluation after training uses rank 0's on every rank. One 2-rank run does
-the training, saves and resumes."""
+engine/features/module_buffers.py), resuming from either ends where the uninterrupted run did, and ``convert`` of the
+sharded folder gives rank 0's statistics too, and evaluation after training uses rank 0's on every rank. One 2-rank run
+does the training, saves and resumes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from lightning_fsdp import fully_shard
 from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_optimizer_state
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded, sharded_checkpoint_state
-from lightning_fsdp.engine.state_dict import full_state_dict, load_full_state_dict
+from lightning_fsdp.engine.state.state_dict import full_state_dict, load_full_state_dict
 from tests.conv_nets import BasicBlock, ResNet
 from tests.distributed import run_distributed
 

@@ -34,7 +34,7 @@ import lightning_fsdp.checkpoint.sharded as sharded_module
 from lightning_fsdp import FabricFSDPStrategy, FSDPStrategy
 from lightning_fsdp.checkpoint.async_save import BackgroundSaver
 from lightning_fsdp.checkpoint.sharded import load_sharded, read_checked_metadata, sharded_checkpoint_state
-from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.engine.state.state_dict import full_state_dict
 from tests.distributed import run_distributed
 from tests.engine_harness import train_tokens
 from tests.scripts.strategy_common import LitGPT, token_loader

@@ -18,7 +18,7 @@ from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_optimizer_state
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded, sharded_checkpoint_state
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine.state_dict import full_state_dict, load_full_state_dict
+from lightning_fsdp.engine.state.state_dict import full_state_dict, load_full_state_dict
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT, train_tokens
 

@@ -37,7 +37,7 @@ from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.checkpoint.pretrained import load_pretrained
 from lightning_fsdp.cli import main as cli_main
 from lightning_fsdp.demos.gpt import GPT
-from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.engine.state.state_dict import full_state_dict
 from lightning_fsdp.fabric import FabricFSDPStrategy
 from lightning_fsdp.runtime.launch import free_port
 from lightning_fsdp.trainer.checkpoint_io import AtomicCheckpointIO

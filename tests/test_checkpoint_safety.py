@@ -33,8 +33,8 @@ from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded, sharde
 from lightning_fsdp.cli import main as cli_main
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
 from lightning_fsdp.demos.lit_gpt import LitGPT
-from lightning_fsdp.engine.registry import fsdp_param_of
-from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of
+from lightning_fsdp.engine.state.state_dict import full_state_dict
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT, train_tokens
 

@@ -10,13 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp.engine import collectives
-from lightning_fsdp.engine.param import ShardLayout
-from lightning_fsdp.engine.transport import CHUNK_SWITCH, SingleRank, Transport, standalone_transport
+from lightning_fsdp.engine.diagnostics.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.runtime.param import ShardLayout
+from lightning_fsdp.engine.transport import CHUNK_SWITCH, SingleRank, Transport, packing, standalone_transport
 from lightning_fsdp.engine.transport.buffers import BufferPool
-from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
 from lightning_fsdp.engine.transport.gloo import GlooTransport
-from lightning_fsdp.engine.transport.ledger import CollectiveMismatchError, Ledger
+from lightning_fsdp.engine.transport.identity import CollectiveMismatchError, Ledger
 from lightning_fsdp.engine.transport.nccl import NcclTransport
 from lightning_fsdp.engine.transport.shm import SharedMemoryTransport
 from tests.distributed import run_distributed
@@ -109,7 +108,7 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
                 assert [b.numel() for b in blocks] == [sum(lay.shard_numel for lay in layouts)] * world_size, case
                 assert {b.dtype for b in blocks} == {dtype}, case
                 dests = [torch.full((layout.padded_numel,), -1.0, dtype=dtype) for layout in layouts]
-                collectives.unpack_all_gather(blocks, [layout.shard_numel for layout in layouts], dests)
+                packing.unpack_all_gather(blocks, [layout.shard_numel for layout in layouts], dests)
                 pending.release()
                 for full, dest in zip(fulls, dests, strict=True):
                     assert torch.equal(dest[: full.numel()].view(full.shape), full.to(dtype)), case
@@ -126,15 +125,15 @@ def _check_gather_and_reduce(rank: int, world_size: int) -> None:
             # Reduce-scatter: rank r contributes (r + 1) * full, unpadded (the transport pads); every rank keeps its
             # rows of the sum.
             grads = [
-                collectives.RankRows(full.reshape(-1) * (rank + 1), layout.shard_numel)
+                packing.RankRows(full.reshape(-1) * (rank + 1), layout.shard_numel)
                 for full, layout in zip(fulls, layouts, strict=True)
             ]
-            grads.append(collectives.RankRows(torch.empty(0), 3))  # a gradient that never arrived: zeros
+            grads.append(packing.RankRows(torch.empty(0), 3))  # a gradient that never arrived: zeros
             # Embedding-like gradients, zero but in the rows each rank touched (row 6 by every rank, one row only by
             # this one), and one that never arrived: between hosts they go by rows, elsewhere whole.
             touched = _touched_rows(rank)
-            grads.append(collectives.RankRows(touched.reshape(-1), sparse_layout.shard_numel, sparse_layout.row_numel))
-            grads.append(collectives.RankRows(torch.empty(0), 2 * sparse_layout.row_numel, sparse_layout.row_numel))
+            grads.append(packing.RankRows(touched.reshape(-1), sparse_layout.shard_numel, sparse_layout.row_numel))
+            grads.append(packing.RankRows(torch.empty(0), 2 * sparse_layout.row_numel, sparse_layout.row_numel))
             summed_rows = sum(_touched_rows(other) for other in range(world_size))
             scale = world_size * (world_size + 1) / 2
             for divide_by in (None, 2):
@@ -211,8 +210,8 @@ def test_a_row_is_touched_when_any_of_its_bits_is_set(dtype: torch.dtype) -> Non
     rows[3, 2] = float("-inf")
     rows[4, 3] = -0.0
     rows[6] = 1.5
-    assert collectives.nonzero_rows(rows).tolist() == [False, True, True, True, True, False, True]
-    assert collectives.nonzero_rows(rows[:, 1:]).tolist() == [False, True, False, True, True, False, True]  # strided
+    assert packing.nonzero_rows(rows).tolist() == [False, True, True, True, True, False, True]
+    assert packing.nonzero_rows(rows[:, 1:]).tolist() == [False, True, False, True, True, False, True]  # strided
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -236,18 +235,16 @@ def test_pack_rows_pads_in_place_of_a_padded_copy(world_size: int) -> None:
         padded.append(view.view(world_size, width))
     for dtype in (torch.float32, torch.bfloat16):
         out = torch.full((world_size, sum(columns) + 2), float("nan"), dtype=dtype)[:, 1:-1]  # a strided slot
-        collectives.pack_rows(
-            [collectives.RankRows(flat, width) for flat, width in zip(flats, columns, strict=True)], out
-        )
+        packing.pack_rows([packing.RankRows(flat, width) for flat, width in zip(flats, columns, strict=True)], out)
         assert torch.equal(out, torch.cat(padded, dim=-1).to(dtype)), dtype
         for start, width in ((0, 1), (1, 5), (5, 9), (sum(columns) - 3, 3)):  # chunks: edges anywhere
             chunk = torch.full((world_size, width), float("nan"), dtype=dtype)
-            grads = [collectives.RankRows(flat, cols) for flat, cols in zip(flats, columns, strict=True)]
-            collectives.pack_rows(grads, chunk, start)
+            grads = [packing.RankRows(flat, cols) for flat, cols in zip(flats, columns, strict=True)]
+            packing.pack_rows(grads, chunk, start)
             assert torch.equal(chunk, out[:, start : start + width]), (dtype, start, width)
-        unpadded = [collectives.RankRows(torch.arange(world_size * 3.0), 3), collectives.RankRows(torch.ones(0), 0)]
+        unpadded = [packing.RankRows(torch.arange(world_size * 3.0), 3), packing.RankRows(torch.ones(0), 0)]
         fused = torch.empty(world_size, 3, dtype=dtype)
-        collectives.pack_rows(unpadded, fused)  # nothing to pad: the one fused copy
+        packing.pack_rows(unpadded, fused)  # nothing to pad: the one fused copy
         assert torch.equal(fused, torch.arange(world_size * 3.0).view(world_size, 3).to(dtype)), dtype
 
 
@@ -278,36 +275,36 @@ def test_the_own_row_summed_from_the_gradients_equals_the_packed_sum(world_size:
     columns = [ShardLayout.for_shape(full.shape, 0, world_size).shard_numel for full in fulls] + [2]
     flats_by_rank = [[full.reshape(-1) * (rank + 1) for full in fulls] + [torch.empty(0)] for rank in range(world_size)]
     grads_by_rank = [
-        [collectives.RankRows(flat.to(dtype), width) for flat, width in zip(flats, columns, strict=True)]
+        [packing.RankRows(flat.to(dtype), width) for flat, width in zip(flats, columns, strict=True)]
         for flats in flats_by_rank
     ]
     padded_by_rank = []
     for grads in grads_by_rank:
         padded = torch.empty(world_size, sum(columns), dtype=dtype)
-        collectives.pack_rows(grads, padded)
+        packing.pack_rows(grads, padded)
         padded_by_rank.append(padded)
     for divisor in (1, 2, 4):
         scale = 1.0 / divisor
         buffers = []
         for rank, grads in enumerate(grads_by_rank):
             buffer = torch.full((world_size, sum(columns) + 2), float("nan"), dtype=dtype)[:, 1:-1]  # strided
-            collectives.pack_peer_rows(grads, buffer, rank, scale)
+            packing.pack_peer_rows(grads, buffer, rank, scale)
             assert torch.isnan(buffer[rank]).all(), "the own row is never packed"
             buffers.append(buffer)
         for rank, grads in enumerate(grads_by_rank):
             peers = [buffer[rank] for other, buffer in enumerate(buffers) if other != rank]
             out = torch.full((sum(columns),), float("nan"), dtype=dtype)
-            collectives.sum_own_row(grads, rank, peers, scale, out)
-            expected = collectives.sum_rows([padded[rank] for padded in padded_by_rank]).div_(divisor)
+            packing.sum_own_row(grads, rank, peers, scale, out)
+            expected = packing.sum_rows([padded[rank] for padded in padded_by_rank]).div_(divisor)
             assert torch.equal(out, expected), (rank, divisor)
             for start, width in ((0, 1), (1, 5), (5, 9), (sum(columns) - 3, 3)):  # a chunk of columns at a time
                 chunks = []
                 for other, grads in enumerate(grads_by_rank):
                     chunk = torch.full((world_size, width), float("nan"), dtype=dtype)
-                    collectives.pack_peer_rows(grads, chunk, other, scale, start)
+                    packing.pack_peer_rows(grads, chunk, other, scale, start)
                     assert torch.equal(chunk[rank], buffers[other][rank, start : start + width]) or other == rank
                     chunks.append(chunk)
                 peers = [chunk[rank] for other, chunk in enumerate(chunks) if other != rank]
                 part = torch.full((width,), float("nan"), dtype=dtype)
-                collectives.sum_own_row(grads_by_rank[rank], rank, peers, scale, part, start)
+                packing.sum_own_row(grads_by_rank[rank], rank, peers, scale, part, start)
                 assert torch.equal(part, expected[start : start + width]), (rank, divisor, start)

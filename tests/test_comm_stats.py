@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial
 
-from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter, CollectiveEvent, classify
+from lightning_fsdp.engine.diagnostics.comm_stats import CollectiveCounter, CollectiveEvent, classify
 from tests.distributed import run_distributed
 
 

@@ -11,9 +11,9 @@ import torch
 
 from lightning_fsdp import fully_shard
 from lightning_fsdp.demos.gpt import GPT, Block
+from lightning_fsdp.engine.diagnostics.comm_stats import CollectiveCounter
 from lightning_fsdp.engine.transport import shm
-from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
-from lightning_fsdp.engine.transport.ledger import DIGEST_BITS, STAMP_BYTES
+from lightning_fsdp.engine.transport.identity import DIGEST_BITS, STAMP_BYTES
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT, data_moving, initialize, reduce_scatter_kind
 

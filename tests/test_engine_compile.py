@@ -21,7 +21,7 @@ from tests.engine_harness import TINY_GPT
 
 STEPS = 3
 # Graph breaks counted inside hook frames: none, since the hooks are partials of disabled functions, which dynamo
-# skips without compiling a frame for them (see [Note: units compile with static sizes] in engine/hooks.py). As
+# skips without compiling a frame for them (see [Note: units compile with static sizes] in engine/runtime/hooks.py). As
 # lambdas they were frames of their own, each broken at the call: 7 for the three-block tiny GPT, 8 with
 # dynamic=False and 4 compiling each block, for the same 2 graphs; 69 with the hooks traced and dynamic=False.
 GRAPH_BREAKS_IN_HOOK_FRAMES = 0

@@ -1,6 +1,6 @@
 """``torch.compile`` of a sharded ResNet whose blocks differ in shape: each block compiles with the sizes and ints of
 its own modules as constants, as plain torch compiles them (see [Note: units compile with static sizes] in
-engine/hooks.py), nothing recompiles after the first step, and training matches eager.
+engine/runtime/hooks.py), nothing recompiles after the first step, and training matches eager.
 
 The backend is aot_eager wrapped in a recorder: dynamo and AOTAutograd run as they do for inductor, without
 inductor's C++ compile (minutes on these CPUs). The recorder lists, for every graph, the sources of its symbolic

@@ -16,11 +16,11 @@ from torch import nn
 
 from lightning_fsdp import fully_shard
 from lightning_fsdp.demos.gpt import GPT, Block
-from lightning_fsdp.engine.fingerprint import ModelMismatchError
-from lightning_fsdp.engine.registry import unit_of
-from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.engine.build.fingerprint import ModelMismatchError
+from lightning_fsdp.engine.runtime.registry import unit_of
+from lightning_fsdp.engine.state.state_dict import full_state_dict
 from lightning_fsdp.engine.transport import shm
-from lightning_fsdp.engine.transport.ledger import CollectiveMismatchError
+from lightning_fsdp.engine.transport.identity import CollectiveMismatchError
 from tests.engine_harness import TINY_GPT
 
 SECONDS = 10.0  # "at once": far below the process group's timeout

@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_fsdp import fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine.deferred_init import track_meta_build
-from lightning_fsdp.engine.registry import fsdp_param_of
+from lightning_fsdp.engine.init.materialize import track_meta_build
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT
 from tests.init_models import NanoBlock, NanoGPT

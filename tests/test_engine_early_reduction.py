@@ -16,10 +16,10 @@ from torch import nn
 
 from lightning_fsdp import MixedPrecision, apply_activation_checkpointing, fully_shard, no_sync, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine import unit
-from lightning_fsdp.engine.registry import unit_of
+from lightning_fsdp.engine.diagnostics.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.runtime import unit
+from lightning_fsdp.engine.runtime.registry import unit_of
 from lightning_fsdp.engine.transport import shm
-from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
 from tests.distributed import run_distributed
 from tests.engine_harness import Run, reduce_scatter_kind, run_parity
 

@@ -11,8 +11,8 @@ from torch import nn
 
 from lightning_fsdp import fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block
-from lightning_fsdp.engine.registry import fsdp_param_of, unit_of, units_under
-from lightning_fsdp.engine.unit import ShardState, TrainingState
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of, unit_of, units_under
+from lightning_fsdp.engine.runtime.unit import ShardState, TrainingState
 from tests.distributed import run_distributed
 from tests.engine_harness import RTOL, TINY_GPT, Run, max_relative_error, run_parity
 

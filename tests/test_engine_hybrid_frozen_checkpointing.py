@@ -6,7 +6,7 @@ import torch
 
 from lightning_fsdp import apply_activation_checkpointing, fully_shard
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.diagnostics.comm_stats import CollectiveCounter
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT, Run, data_moving, reduce_scatter_kind, run_parity
 from tests.test_engine_comm import FP32, _unit_shard_numels

@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_fsdp import fully_shard
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine.registry import units_under
+from lightning_fsdp.engine.runtime.registry import units_under
 from tests.distributed import run_distributed
 
 DEEP_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=32)

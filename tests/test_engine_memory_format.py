@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_fsdp import fully_shard, summon_full_params
-from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.engine.state.state_dict import full_state_dict
 from tests.distributed import run_distributed
 
 LOCAL_BATCH = 2
@@ -68,7 +68,7 @@ def _check_sharded_checkpoint_round_trip(rank: int, world_size: int, folder: str
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from lightning_fsdp.engine.state_dict import sharded_state_dict
+    from lightning_fsdp.engine.state.state_dict import sharded_state_dict
 
     torch.manual_seed(0)
     model = fully_shard(ConvNet().to(memory_format=CHANNELS_LAST), {nn.Conv2d})

@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_fsdp import MixedPrecision, fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block
-from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.diagnostics.comm_stats import CollectiveCounter
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT, initialize, max_relative_error, reduce_scatter_kind
 
@@ -155,7 +155,7 @@ def _steps(pairs: list[tuple[nn.Module, torch.optim.Optimizer]], inputs: torch.T
 
 
 def _check_summon_shows_and_keeps_the_masters(rank: int, world_size: int) -> None:
-    from lightning_fsdp.engine.state_dict import full_state_dict
+    from lightning_fsdp.engine.state.state_dict import full_state_dict
 
     precision = MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=True)
     inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from lightning_fsdp import MixedPrecision, clip_grad_norm_, fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block
-from lightning_fsdp.engine.registry import units_under
-from lightning_fsdp.engine.state_dict import full_state_dict, sharded_state_dict
+from lightning_fsdp.engine.runtime.registry import units_under
+from lightning_fsdp.engine.state.state_dict import full_state_dict, sharded_state_dict
 from tests.engine_harness import TINY_GPT
 
 

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_fsdp import fully_shard
 from lightning_fsdp.demos.gpt import GPT, Block
-from lightning_fsdp.engine.state_dict import (
+from lightning_fsdp.engine.state.state_dict import (
     full_state_dict,
     init_optimizer_state,
     load_full_state_dict,

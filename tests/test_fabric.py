@@ -38,7 +38,7 @@ from lightning_fsdp import FabricFSDPPrecision, FabricFSDPStrategy, FSDPStrategy
 from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.checkpoint.full import full_optimizer_state
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.engine.state.state_dict import full_state_dict
 from tests.distributed import run_distributed
 
 # Dims that divide by neither 2 nor 4 (61 rows, 18-wide rows), as in the engine's parity tests.

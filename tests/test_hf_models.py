@@ -23,9 +23,9 @@ from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.checkpoint.full import save_full_checkpoint
 from lightning_fsdp.checkpoint.pretrained import load_pretrained
 from lightning_fsdp.demos.lora import add_lora
-from lightning_fsdp.engine.deferred_init import check_initializable, materialize
-from lightning_fsdp.engine.registry import units_under
-from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.engine.init.materialize import check_initializable, materialize
+from lightning_fsdp.engine.runtime.registry import units_under
+from lightning_fsdp.engine.state.state_dict import full_state_dict
 from lightning_fsdp.engine.transport.hosts import HOST_SWITCH
 from tests.distributed import run_distributed
 from tests.engine_harness import RTOL, max_relative_error

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_fsdp import fully_shard
-from lightning_fsdp.engine import host_memory
+from lightning_fsdp.engine.features import host_memory
 from tests.distributed import run_distributed
 
 CHURN_TENSORS = 4

@@ -16,14 +16,14 @@ from torch import nn
 
 from lightning_fsdp import CrossHostPrecision, MixedPrecision, fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig, GPTEmbedding
+from lightning_fsdp.engine.diagnostics.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.diagnostics.step_stats import STEP_STATS
 from lightning_fsdp.engine.options import ShardingStrategy, parse_reshard_after_forward
-from lightning_fsdp.engine.registry import unit_of, units_under
-from lightning_fsdp.engine.step_stats import STEP_STATS
-from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.runtime.registry import unit_of, units_under
+from lightning_fsdp.engine.transport.compressed import LinkTransport
 from lightning_fsdp.engine.transport.hierarchical import HierarchicalTransport
 from lightning_fsdp.engine.transport.hosts import HOST_SWITCH, HostLayout, host_identity
-from lightning_fsdp.engine.transport.ledger import DIGEST_BITS
-from lightning_fsdp.engine.transport.link import LinkTransport
+from lightning_fsdp.engine.transport.identity import DIGEST_BITS
 from lightning_fsdp.engine.transport.shm import SharedMemoryTransport
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT, Run, assert_same_weights, initialize, make_optimizer, run_parity

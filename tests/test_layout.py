@@ -1,5 +1,6 @@
-"""The package's layout holds: no import circle between its files, the engine free of Lightning, the paths of the
-flat layout still importable, and the strategy arguments defined once yet visible to LightningCLI in both strategies.
+"""The package's layout holds: no import circle between its files, the engine free of Lightning, fabric/ free of
+trainer/, no path outside the repository cited, and the strategy arguments defined once yet visible to LightningCLI in
+both strategies.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from jsonargparse import ArgumentParser
 
 from lightning_fsdp import FabricFSDPStrategy, FSDPStrategy
 from lightning_fsdp.adapter.strategy_arguments import ARGUMENTS
-from lightning_fsdp.old_paths import MOVED
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_fsdp"
 
@@ -106,30 +106,24 @@ def test_the_engine_imports_torch_but_never_lightning() -> None:
             assert not outside, f"{path.relative_to(PACKAGE)} imports {outside}"
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_an_old_path_gives_the_module_at_its_new_path(old: str) -> None:
-    module = __import__(old, fromlist=["_"])
-    assert module is sys.modules[MOVED[old]]
-    assert module.__name__ == MOVED[old]
-
-
-def test_old_paths_load_pickles_and_class_paths_and_keep_lightning_unloaded() -> None:
-    """In a fresh interpreter: an old path imports without Lightning where the module needs none, a pickle naming a
-    class by its old module loads as the class itself, and a config's old class path resolves."""
-    program = (
-        "import pickle, sys\n"
-        "import lightning_fsdp.engine.shm as shm\n"
-        "assert 'lightning' not in sys.modules, 'the engine pulled Lightning in'\n"
-        "from lightning_fsdp.engine.transport.shm import SharedMemoryTransport\n"
-        "assert shm.SharedMemoryTransport is SharedMemoryTransport\n"
-        "payload = pickle.dumps(SharedMemoryTransport, protocol=0).replace(b'engine.transport.shm', b'engine.shm')\n"
-        "assert b'lightning_fsdp.engine.shm' in payload\n"
-        "assert pickle.loads(payload) is SharedMemoryTransport\n"
-        "from jsonargparse._util import import_object\n"
-        "from lightning_fsdp.trainer.strategy import FSDPStrategy\n"
-        "assert import_object('lightning_fsdp.strategy.FSDPStrategy') is FSDPStrategy\n"
-    )
+def test_importing_the_engine_leaves_lightning_unloaded() -> None:
+    """In a fresh interpreter: the engine alone (plain torchrun) does not pay for importing Lightning."""
+    program = "import sys\nimport lightning_fsdp.engine\nassert 'lightning' not in sys.modules, sorted(sys.modules)\n"
     subprocess.run([sys.executable, "-c", program], check=True, cwd=PACKAGE.parent, timeout=120)
+
+
+def test_fabric_stands_on_the_adapter_never_on_the_trainer() -> None:
+    """Lightning's direction: the Trainer's package may build on what Fabric's uses, never the reverse."""
+    files = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    for name, path in files.items():
+        if name.startswith("lightning_fsdp.fabric"):
+            trainer = sorted(m for m in _imports(path, set(files)) if m.startswith("lightning_fsdp.trainer"))
+            assert not trainer, f"{path.relative_to(PACKAGE)} imports {trainer}"
+
+
+def test_no_text_of_the_package_cites_a_path_outside_the_repository() -> None:
+    for path in PACKAGE.rglob("*.py"):
+        assert "../shared" not in path.read_text(), f"{path.relative_to(PACKAGE)} cites ../shared"
 
 
 @pytest.mark.parametrize(("strategy", "state_dict_type"), [(FSDPStrategy, "full"), (FabricFSDPStrategy, "sharded")])

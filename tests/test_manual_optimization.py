@@ -1,8 +1,8 @@
 """Manual optimization under the Trainer on 2 real ranks, against ddp in the same setting: a GAN-style step (two
 forwards, two backwards, two optimizers, all inside ``training_step``, so inside the root unit's forward) trains as
 ddp does, every unit is sharded again at the batch end, a checkpoint there (``ModelCheckpoint`` every step, in
-either form) is written and holds the step's weights (see [Note: backward inside a forward] in engine/hooks.py), and
-``FSDPMonitor`` follows a step count that moves by two a batch."""
+either form) is written and holds the step's weights (see [Note: backward inside a forward] in
+engine/runtime/hooks.py), and ``FSDPMonitor`` follows a step count that moves by two a batch."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fsdp import FSDPMonitor, FSDPStrategy
 from lightning_fsdp.demos.gpt import Block
-from lightning_fsdp.engine.registry import units_under
-from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.engine.runtime.registry import units_under
+from lightning_fsdp.engine.state.state_dict import full_state_dict
 from lightning_fsdp.monitor import FILE_NAME
 from tests.distributed import run_distributed
 from tests.scripts.strategy_common import LitGPT, make_trainer, token_loader

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_fsdp import FSDPStrategy, fully_shard, meta_build, summon_full_params
-from lightning_fsdp.engine.deferred_init import check_initializable, materialize, track_meta_build
+from lightning_fsdp.engine.init.materialize import check_initializable, materialize, track_meta_build
 from tests.distributed import run_distributed
 
 

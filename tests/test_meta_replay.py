@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.gpt import GPT, GPTConfig
-from lightning_fsdp.engine.deferred_init import check_initializable, materialize, track_meta_build
+from lightning_fsdp.engine.init.materialize import check_initializable, materialize, track_meta_build
 from tests.init_models import LoRAStack, NanoGPT
 from tests.test_meta_build import _owners
 
@@ -126,7 +126,7 @@ def test_what_cannot_be_replayed_falls_back_to_each_modules_initialiser_and_says
     with torch.device("meta"), track_meta_build():
         model = ResizesOnMeta()
     torch.manual_seed(0)
-    with caplog.at_level(logging.INFO, logger="lightning_fsdp.engine.deferred_init"):
+    with caplog.at_level(logging.INFO, logger="lightning_fsdp.engine.init.materialize"):
         _materialize(model)
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert "cannot be replayed (aten.resize_.default changes a meta tensor's storage)" in caplog.records[0].message
@@ -143,7 +143,7 @@ def test_a_model_put_on_the_meta_device_by_hand_is_initialised_module_by_module(
     with torch.device("meta"):
         model = LoRAStack()
     torch.manual_seed(0)
-    with caplog.at_level(logging.INFO, logger="lightning_fsdp.engine.deferred_init"):
+    with caplog.at_level(logging.INFO, logger="lightning_fsdp.engine.init.materialize"):
         _materialize(model)
     assert "module 'layers.0' was put on the meta device outside track_meta_build" in caplog.text
     assert not torch.equal(model.layers[0].lora_A, eager.layers[0].lora_A), "the control shows nothing"
@@ -198,7 +198,7 @@ def test_a_reset_parameters_set_after_the_build_is_what_initialises(caplog: pyte
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.reset_parameters = partial(_init_halves, module)  # bound to the module, as LitGPT does
-    with caplog.at_level(logging.INFO, logger="lightning_fsdp.engine.deferred_init"):
+    with caplog.at_level(logging.INFO, logger="lightning_fsdp.engine.init.materialize"):
         check_initializable(model, None)
         materialize(model, torch.device("cpu"), None, _owners(model), lambda meta, real: None)
     assert [r.levelno for r in caplog.records] == [logging.INFO]  # what LitGPT asks for: nothing to warn about

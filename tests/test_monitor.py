@@ -29,10 +29,10 @@ from torch.utils.data import DataLoader
 
 from lightning_fsdp import FabricFSDPStrategy, FSDPMonitor, FSDPStrategy, fully_shard
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine.registry import units_under
-from lightning_fsdp.engine.step_stats import STEP_STATS
-from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
-from lightning_fsdp.engine.transport.ledger import STAMP_BYTES
+from lightning_fsdp.engine.diagnostics.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.diagnostics.step_stats import STEP_STATS
+from lightning_fsdp.engine.runtime.registry import units_under
+from lightning_fsdp.engine.transport.identity import STAMP_BYTES
 from lightning_fsdp.engine.transport.shm import ENV_SWITCH as SHARED_MEMORY_SWITCH
 from lightning_fsdp.monitor import FILE_NAME, METRICS
 from lightning_fsdp.report import write_report

@@ -1,4 +1,5 @@
-"""Checkpoints of parameters held whole (see [Note: whole tensors] in ``engine/whole_tensors.py``), on real ranks.
+"""Checkpoints of parameters held whole (see [Note: whole tensors] in ``engine/runtime/whole_tensors.py``), on real
+ranks.
 
 One 2-rank run trains the tiny GPT with Muon (fp32, ``tests/optimizers.py``) on the blocks' matrices and Adafactor --
 whose state is row and column statistics, not shaped like its parameters -- on the rest, and saves both forms. A
@@ -21,8 +22,8 @@ from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.checkpoint.full import full_optimizer_state, load_full_optimizer_state
 from lightning_fsdp.checkpoint.sharded import load_sharded, save_sharded, sharded_checkpoint_state
 from lightning_fsdp.demos.gpt import GPT, Block
-from lightning_fsdp.engine.registry import fsdp_param_of
-from lightning_fsdp.engine.state_dict import full_state_dict, load_full_state_dict
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of
+from lightning_fsdp.engine.state.state_dict import full_state_dict, load_full_state_dict
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT
 from tests.optimizers import MuonFP32, hidden_matrices

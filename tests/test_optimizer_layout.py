@@ -29,7 +29,7 @@ from lightning_fsdp.checkpoint.full import (
 )
 from lightning_fsdp.checkpoint.sharded import load_sharded
 from lightning_fsdp.demos.gpt import GPT, Block
-from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.engine.state.state_dict import full_state_dict
 from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT, train_tokens
 

@@ -38,11 +38,10 @@ from lightning_fsdp import (
 )
 from lightning_fsdp.checkpoint.full import full_optimizer_state
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine import collectives
-from lightning_fsdp.engine.registry import fsdp_param_of, units_under
-from lightning_fsdp.engine.state_dict import full_state_dict
-from lightning_fsdp.engine.transport import shm
-from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.diagnostics.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of, units_under
+from lightning_fsdp.engine.state.state_dict import full_state_dict
+from lightning_fsdp.engine.transport import packing, shm
 from lightning_fsdp.engine.transport.shm import SharedMemoryTransport
 from tests.distributed import run_distributed
 from tests.engine_harness import RTOL, TINY_GPT, data_moving, max_relative_error
@@ -279,15 +278,15 @@ def _check_gathers_pack_nothing(
         for whole in unit.wholes:
             assert whole.padded_shard.data_ptr() in {s.data_ptr() for home in transport.home_shards for s in home}
     packed: list[int] = []
-    real_pack = collectives.pack
-    collectives.pack = lambda tensors, out, start=0: (packed.append(out.numel()), real_pack(tensors, out, start))
+    real_pack = packing.pack
+    packing.pack = lambda tensors, out, start=0: (packed.append(out.numel()), real_pack(tensors, out, start))
     try:
         model(*batch).backward()
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
     finally:
-        collectives.pack = real_pack
+        packing.pack = real_pack
     assert packed == [], "a gather packed its shards"
 
 

@@ -16,13 +16,12 @@ import torch.distributed as dist
 
 from lightning_fsdp import fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine import collectives
-from lightning_fsdp.engine.collectives import RankRows
-from lightning_fsdp.engine.registry import units_under
-from lightning_fsdp.engine.transport import CHUNK_SWITCH, Pending, chunk_limit, peer_wait, shm
-from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.diagnostics.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.runtime.registry import units_under
+from lightning_fsdp.engine.transport import CHUNK_SWITCH, Pending, chunk_limit, packing, peer_wait, shm
 from lightning_fsdp.engine.transport.gloo import GlooTransport
-from lightning_fsdp.engine.transport.ledger import CollectiveMismatchError, Ledger
+from lightning_fsdp.engine.transport.identity import CollectiveMismatchError, Ledger
+from lightning_fsdp.engine.transport.packing import RankRows
 from lightning_fsdp.engine.transport.peer_wait import PeerExitedError
 from lightning_fsdp.engine.transport.shm import SLOTS, SharedMemoryTransport
 from tests.distributed import run_distributed
@@ -192,14 +191,14 @@ def _check_a_large_root_streams_in_chunks(rank: int, world_size: int, stalled: b
     torch.manual_seed(0)
     model = fully_shard(GPT(config), {Block})
     if stalled and rank == 1:
-        real_packs = {"pack_peer_rows": collectives.pack_peer_rows, "pack_rows": collectives.pack_rows}
+        real_packs = {"pack_peer_rows": packing.pack_peer_rows, "pack_rows": packing.pack_rows}
 
         def slow_pack(*args: object) -> None:
             time.sleep(0.01)
             real_packs["pack_peer_rows" if len(args) > 3 else "pack_rows"](*args)
 
-        collectives.pack_peer_rows = slow_pack
-        collectives.pack_rows = slow_pack
+        packing.pack_peer_rows = slow_pack
+        packing.pack_rows = slow_pack
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, model)]
     tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=torch.Generator().manual_seed(1))
     counters = []
@@ -262,7 +261,7 @@ def _check_shards_live_at_home(rank: int, world_size: int) -> None:
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, model)]
     tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=torch.Generator().manual_seed(1))
     packed: list[int] = []
-    real_pack = collectives.pack
+    real_pack = packing.pack
 
     def counted_pack(tensors: list[torch.Tensor], out: torch.Tensor, start: int = 0) -> None:
         packed.append(out.numel())
@@ -283,11 +282,11 @@ def _check_shards_live_at_home(rank: int, world_size: int) -> None:
             assert fsdp_param.sharded.data_ptr() == home.data_ptr(), f"{name} lives in this rank's segment"
             padded = fsdp_param.layout.shard_numel * 4
             assert fsdp_param.sharded.untyped_storage().nbytes() == padded, f"{name}: a storage of its own"
-    collectives.pack = counted_pack
+    packing.pack = counted_pack
     try:
         train_step()
     finally:
-        collectives.pack = real_pack
+        packing.pack = real_pack
     assert packed == [], "no gather packed its shards"
     assert _open_segment_descriptors() == [], "mapping the shards left no descriptor open"
     block = units_under(model)[1].params[0]
@@ -300,13 +299,13 @@ def _check_shards_live_at_home(rank: int, world_size: int) -> None:
             torch.testing.assert_close(full, expected, rtol=1e-5, atol=1e-6, msg=name)
 
     if rank == 1:  # this rank reads the others' shards long after they published them
-        real_unpack = collectives.unpack_all_gather
+        real_unpack = packing.unpack_all_gather
 
         def slow_unpack(*args: object) -> None:
             time.sleep(0.3)
             real_unpack(*args)
 
-        collectives.unpack_all_gather = slow_unpack
+        packing.unpack_all_gather = slow_unpack
     with torch.no_grad():
         expected_loss = reference(tokens[:, :-1], tokens[:, 1:])
         loss = model(tokens[:, :-1], tokens[:, 1:])
@@ -314,7 +313,7 @@ def _check_shards_live_at_home(rank: int, world_size: int) -> None:
             for param in m.parameters():
                 param.add_(1.0)
     if rank == 1:
-        collectives.unpack_all_gather = real_unpack
+        packing.unpack_all_gather = real_unpack
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
 
 
@@ -428,7 +427,7 @@ def _exit_quietly_between_chunks(rank: int, world_size: int) -> None:
     transport = _create()
     assert transport is not None and transport.slots["all_gather"].slot_bytes == 64
     if rank == 1:
-        real_pack, packed = collectives.pack, []
+        real_pack, packed = packing.pack, []
 
         def pack_then_exit(*args: object) -> None:
             real_pack(*args)
@@ -436,7 +435,7 @@ def _exit_quietly_between_chunks(rank: int, world_size: int) -> None:
             if len(packed) == 3:
                 os._exit(0)
 
-        collectives.pack = pack_then_exit
+        packing.pack = pack_then_exit
     start = time.monotonic()
     with pytest.raises(PeerExitedError, match=r"rank 1 \(pid \d+\) exited while this rank waited for it"):
         transport.all_gather([torch.arange(1000.0)], torch.float32, None).wait()

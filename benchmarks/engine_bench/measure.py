@@ -19,7 +19,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from lightning_fsdp.demos.corpus import load_corpus, random_batches
-from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.diagnostics.comm_stats import CollectiveCounter
 
 from .config import CORPUS_BYTES, BenchArgs
 from .trainees import Trainee, build, train_step

@@ -36,7 +36,14 @@ from lightning_fsdp.adapter.lightning_arguments import (
 )
 from lightning_fsdp.adapter.strategy_arguments import ARGUMENTS, Policy, WrapPolicy, strategy_arguments
 from lightning_fsdp.engine import CrossHostPrecision, MixedPrecision, apply_activation_checkpointing, fully_shard
-from lightning_fsdp.engine.deferred_init import has_meta_tensors, track_meta_build
+from lightning_fsdp.engine.build.policies import (
+    as_wrap_policy,
+    module_classes,
+    repeated_block_class,
+    select_unit_modules,
+)
+from lightning_fsdp.engine.diagnostics.hang_watch import MainThreadWatch, watch_main_thread
+from lightning_fsdp.engine.init.materialize import has_meta_tensors, track_meta_build
 from lightning_fsdp.engine.options import (
     ShardingStrategy,
     parse_backward_prefetch,
@@ -44,10 +51,8 @@ from lightning_fsdp.engine.options import (
     parse_reshard_after_forward,
     parse_sharding_strategy,
 )
-from lightning_fsdp.engine.policies import as_wrap_policy, module_classes, repeated_block_class, select_unit_modules
-from lightning_fsdp.engine.registry import unit_of
-from lightning_fsdp.engine.release import release
-from lightning_fsdp.engine.transport.whereabouts import MainThreadWatch, watch_main_thread
+from lightning_fsdp.engine.runtime.registry import unit_of
+from lightning_fsdp.engine.state.release import release
 
 HYBRID_STRATEGIES = tuple(s.value for s in ShardingStrategy if s.is_hybrid)
 WHOLE_MODEL = "whole_model"  # auto_wrap_policy: the whole model as one unit, on purpose
@@ -128,7 +133,7 @@ class ShardedModelSetup(ABC):
         self._watch = watch_main_thread(self)  # see [Note: every wait knows where its peers are]
 
     def _end_run(self, modules: Iterable[nn.Module]) -> None:
-        """Give back what the run took (see [Note: what a run gives back] in ``engine/release.py``): the engine's
+        """Give back what the run took (see [Note: what a run gives back] in ``engine/state/release.py``): the engine's
         resources of every model it sharded, which stay usable, and the thread it started. The process group stays
         for the next run, as Lightning leaves it after DDP. Safe to call again."""
         for module in modules:
@@ -359,8 +364,8 @@ def default_policy(model: nn.Module) -> set[type[nn.Module]] | None:
     """With no ``auto_wrap_policy``, each of the model's repeated blocks becomes a unit.
 
     One unit for the whole model would gather all of it in forward and backward: more memory than DDP. The blocks
-    (:func:`~lightning_fsdp.engine.policies.repeated_block_class`) are what a user would name; the choice is logged
-    once per model class, with how to override it.
+    (:func:`~lightning_fsdp.engine.build.policies.repeated_block_class`) are what a user would name; the choice is
+    logged once per model class, with how to override it.
     """
     block = repeated_block_class(model)
     if (type(model), block) not in _REPORTED_DEFAULTS:

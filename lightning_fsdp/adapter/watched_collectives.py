@@ -1,7 +1,7 @@
 """The collectives Lightning asks of a strategy (``sync_dist``'s reduction, barriers, broadcasts), waited for like the
 engine's own: a rank stuck in one while a peer is in another collective raises within seconds instead of at the
 process group's timeout, and SIGTERM ends the wait (see [Note: every wait knows where its peers are] in
-``engine/transport/whereabouts.py``). On NCCL they are Lightning's own calls, unchanged."""
+``engine/diagnostics/hang_watch.py``). On NCCL they are Lightning's own calls, unchanged."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from lightning_fsdp.engine.transport.whereabouts import wait_work
+from lightning_fsdp.engine.diagnostics.hang_watch import wait_work
 
 _NUMBERS = itertools.count(1)  # every rank numbers these collectives alike, so two ranks in one share the number
 

@@ -1,8 +1,8 @@
 """``ShardedEMA``: an exponential moving average of the weights that costs each rank 1/W of the model.
 
 Under ``strategy="myfsdp"`` every rank's registered parameters are its own dim-0 rows of the fp32 master weights
-(``engine/param.py``). An EMA is element-wise, so each rank averages exactly those rows, in an fp32 tensor shaped
-like its shard, right after the optimizer stepped them: no collective, and ``W`` ranks together hold one averaged
+(``engine/runtime/param.py``). An EMA is element-wise, so each rank averages exactly those rows, in an fp32 tensor
+shaped like its shard, right after the optimizer stepped them: no collective, and ``W`` ranks together hold one averaged
 model. The average is gathered only when someone needs it whole:
 
 - validation (``use_for_validation``): the averaged rows are copied into the shards, which the engine gathers as
@@ -32,8 +32,8 @@ from typing_extensions import override
 
 from lightning_fsdp.checkpoint.callback_tensors import SHARDED_TENSORS, fold_callback_tensors
 from lightning_fsdp.checkpoint.full import local_rows
-from lightning_fsdp.engine.registry import fsdp_param_of
-from lightning_fsdp.engine.state_dict import as_dtensor, full_state_dict
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of
+from lightning_fsdp.engine.state.state_dict import as_dtensor, full_state_dict
 
 
 @dataclass

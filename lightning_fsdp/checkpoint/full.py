@@ -33,9 +33,9 @@ from lightning_fsdp.checkpoint.optimizer_check import check_optimizer_fits, opti
 from lightning_fsdp.checkpoint.remote import downloaded_once_per_host
 from lightning_fsdp.checkpoint.safe_load import load_torch_file
 from lightning_fsdp.engine.optimizers import prepare_optimizer
-from lightning_fsdp.engine.param import FSDPParam
-from lightning_fsdp.engine.registry import fsdp_param_of
-from lightning_fsdp.engine.state_dict import (
+from lightning_fsdp.engine.runtime.param import FSDPParam
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of
+from lightning_fsdp.engine.state.state_dict import (
     check_keys_and_shapes,
     full_param_state,
     init_optimizer_state,

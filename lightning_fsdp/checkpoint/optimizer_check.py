@@ -15,7 +15,7 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-from lightning_fsdp.engine.state_dict import init_optimizer_state
+from lightning_fsdp.engine.state.state_dict import init_optimizer_state
 
 # Keys a group may carry in one run and not in another without being another optimizer: a scheduler's
 # ``initial_lr``, the names this package records for ``convert``.

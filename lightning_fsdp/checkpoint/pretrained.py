@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.remote_safetensors import RemoteSafetensors
-from lightning_fsdp.engine.registry import fsdp_param_of
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of
 
 __all__ = ["PretrainedLoad", "load_pretrained", "safetensors_files"]
 

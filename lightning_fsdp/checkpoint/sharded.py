@@ -1,7 +1,7 @@
 """The sharded form: a ``torch.distributed.checkpoint`` folder plus ``meta.pt``, saved and loaded by every rank.
 
-The model's and the optimizers' sharded state dicts alias the live shards (see ``engine/state_dict.py``), so a save
-copies nothing and a load writes every rank's rows straight into place, resharding from any world size. Before
+The model's and the optimizers' sharded state dicts alias the live shards (see ``engine/state/state_dict.py``), so a
+save copies nothing and a load writes every rank's rows straight into place, resharding from any world size. Before
 anything is loaded the whole folder is checked against the model -- ``meta.pt`` read, every file the metadata names
 present, long enough and holding a record where the metadata says (so another checkpoint's ``.distcp`` files are
 caught), the keys and shapes, the number of optimizers and each one's state keys -- and a refusal names what is
@@ -39,8 +39,8 @@ from lightning_fsdp.checkpoint.remote import (
 )
 from lightning_fsdp.checkpoint.safe_load import dcp_load_planner, dcp_reader, load_torch_file, read_dcp_metadata
 from lightning_fsdp.engine.optimizers import prepare_optimizer
-from lightning_fsdp.engine.registry import fsdp_param_of
-from lightning_fsdp.engine.state_dict import (
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of
+from lightning_fsdp.engine.state.state_dict import (
     apply_optimizer_hyperparameters,
     parameter_names,
     sharded_optimizer_state_dict,

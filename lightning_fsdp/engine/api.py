@@ -12,14 +12,13 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_fsdp.engine import hooks
-from lightning_fsdp.engine.deferred_init import ParamInitFn, check_initializable, has_meta_tensors, materialize
-from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, check_same_structure, values_differ
-from lightning_fsdp.engine.groups import Groups, resolve_groups
-from lightning_fsdp.engine.host_memory import keep_freed_memory
-from lightning_fsdp.engine.load_hooks import install_load_hooks
-from lightning_fsdp.engine.module_buffers import broadcast_from_first
-from lightning_fsdp.engine.optimizer_guard import record_replaced
+from lightning_fsdp.engine.build.fingerprint import ParamPrint, UnitPrint, check_same_structure, values_differ
+from lightning_fsdp.engine.build.groups import Groups, resolve_groups
+from lightning_fsdp.engine.build.ownership import OwnedParam, assign_params
+from lightning_fsdp.engine.build.policies import PolicyLike, as_wrap_policy, select_unit_modules
+from lightning_fsdp.engine.features.host_memory import keep_freed_memory
+from lightning_fsdp.engine.features.module_buffers import broadcast_from_first
+from lightning_fsdp.engine.init.materialize import ParamInitFn, check_initializable, has_meta_tensors, materialize
 from lightning_fsdp.engine.optimizers import install_step_hook
 from lightning_fsdp.engine.options import (
     BackwardPrefetch,
@@ -28,11 +27,12 @@ from lightning_fsdp.engine.options import (
     ShardingOptions,
     ShardingStrategy,
 )
-from lightning_fsdp.engine.ownership import OwnedParam, assign_params
-from lightning_fsdp.engine.param import FSDPParam
-from lightning_fsdp.engine.policies import PolicyLike, as_wrap_policy, select_unit_modules
-from lightning_fsdp.engine.registry import fsdp_param_of, register_unit, unit_of, units_under
-from lightning_fsdp.engine.unit import FSDPUnit
+from lightning_fsdp.engine.runtime import hooks
+from lightning_fsdp.engine.runtime.param import FSDPParam
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of, register_unit, unit_of, units_under
+from lightning_fsdp.engine.runtime.unit import FSDPUnit
+from lightning_fsdp.engine.state.load_hooks import install_load_hooks
+from lightning_fsdp.engine.state.optimizer_guard import record_replaced
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def fully_shard(
         gather_embedding_by_rows: where a unit's gathers cross hosts, a training forward gathers the weight of an
             ``nn.Embedding`` no other module shares by the rows its lookups read, not whole; its other rows hold NaN
             until the unit reshards. False for a model that reads such a weight outside the embedding's own forward
-            (see [Note: an embedding's rows as they are looked up] in ``looked_up_rows.py``).
+            (see [Note: an embedding's rows as they are looked up] in ``embedding_rows.py``).
     """
     options = ShardingOptions.parse(
         sharding_strategy,

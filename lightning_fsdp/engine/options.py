@@ -220,7 +220,7 @@ class ShardingOptions:
     # True, False, or the ranks to stay sharded over after forward: see ``parse_reshard_after_forward``.
     reshard_after_forward: bool | int = True
     cross_host_precision: CrossHostPrecision | None = None
-    # Between hosts, an embedding's rows as its lookups read them (see looked_up_rows.py).
+    # Between hosts, an embedding's rows as its lookups read them (see embedding_rows.py).
     gather_embedding_by_rows: bool = True
 
     @staticmethod

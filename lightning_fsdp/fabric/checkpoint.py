@@ -50,8 +50,8 @@ from lightning_fsdp.checkpoint.optimizer_check import optimizers_restored_on_err
 from lightning_fsdp.checkpoint.remote import downloaded_once_per_host, load_meta_remote, remote_kind, save_full_remote
 from lightning_fsdp.checkpoint.safe_load import load_torch_file
 from lightning_fsdp.checkpoint.sharded import META_FILE, is_sharded_checkpoint, load_sharded, save_sharded
-from lightning_fsdp.engine.registry import unit_of
-from lightning_fsdp.engine.state_dict import (
+from lightning_fsdp.engine.runtime.registry import unit_of
+from lightning_fsdp.engine.state.state_dict import (
     full_state_dict,
     sharded_optimizer_state_dict,
     sharded_state_dict,
@@ -215,7 +215,7 @@ def _read_file(path: str | Path, trust: bool, opt_in: str, storage_options: dict
 def load_raw_module(path: Path, module: nn.Module, strict: bool, trust: bool, opt_in: str) -> None:
     """A plain ``module.state_dict()`` file into the sharded ``module`` through ``module.load_state_dict``, as ddp
     loads it: the modules' own ``_load_from_state_dict`` (renamed keys) and load hooks run, every rank keeps its rows
-    (see [Note: loading through the modules' own hooks] in ``engine/load_hooks.py``)."""
+    (see [Note: loading through the modules' own hooks] in ``engine/state/load_hooks.py``)."""
     module.load_state_dict(_raw_file(path, trust, opt_in), strict=strict)
 
 

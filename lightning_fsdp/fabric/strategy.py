@@ -49,8 +49,8 @@ from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_r
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.remote import remote_refusal
 from lightning_fsdp.engine import MixedPrecision, clip_grad_norm_, clip_grad_value_, no_sync, prepare_optimizer
-from lightning_fsdp.engine.registry import unit_of
-from lightning_fsdp.engine.transport.whereabouts import set_phase
+from lightning_fsdp.engine.diagnostics.hang_watch import set_phase
+from lightning_fsdp.engine.runtime.registry import unit_of
 from lightning_fsdp.fabric.checkpoint import (
     FabricState,
     load_into,
@@ -254,7 +254,7 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         """The step, then the count of steps as this rank's phase: a Fabric loop has no loop state of its own for us
         to read, and a rank that waits where a peer cannot come (its data ended sooner) then names how far each got
-        (see [Note: every wait knows where its peers are] in ``engine/transport/whereabouts.py``)."""
+        (see [Note: every wait knows where its peers are] in ``engine/diagnostics/hang_watch.py``)."""
         output = super().optimizer_step(optimizer, **kwargs)
         self._optimizer_steps += 1
         set_phase(f"training, {self._optimizer_steps} optimizer steps done")
@@ -388,7 +388,7 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
 
     @override
     def teardown(self) -> None:
-        """Give back what the run took (see [Note: what a run gives back] in ``engine/release.py``): the engine's
+        """Give back what the run took (see [Note: what a run gives back] in ``engine/state/release.py``): the engine's
         shared memory and buffers of every model set up here, the thread watching the main thread, the plugins. The
         models stay where they are, their shards in memory of their own, usable. Fabric itself never calls this: without
         it all of that goes with the models and this strategy, once they are garbage-collected.

@@ -2,8 +2,8 @@
 say together -- the split of a step into compute, exposed communication and waiting for peers, and the straggler.
 
 [Note: splitting a step] A rank knows two things about its step: how long it took (``step_s``) and how long its
-training thread sat inside the engine's collectives (``blocked_s``, see ``engine/step_stats.py``). The rest is
-compute (model, optimizer, data between the engine's hooks). Blocked time is of two kinds it cannot tell apart on its
+training thread sat inside the engine's collectives (``blocked_s``, see ``engine/diagnostics/step_stats.py``). The rest
+is compute (model, optimizer, data between the engine's hooks). Blocked time is of two kinds it cannot tell apart on its
 own: moving the bytes (exposed communication: compute did not hide it) and waiting for a slower rank to arrive at the
 collective (peer wait). The slowest rank's compute tells them apart: a rank whose compute is shorter by ``d`` waits
 about ``d`` for its peers every step, so its peer wait is ``min(blocked, slowest compute - its compute)`` and the rest
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightning_fsdp.engine.step_stats import TRANSPORT_KEYS, StatsSnapshot
+from lightning_fsdp.engine.diagnostics.step_stats import TRANSPORT_KEYS, StatsSnapshot
 from lightning_fsdp.monitor.memory import MemoryReading
 
 MIB = 2**20

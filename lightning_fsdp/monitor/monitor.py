@@ -38,10 +38,10 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from typing_extensions import override
 
-from lightning_fsdp.engine.registry import units_under
-from lightning_fsdp.engine.step_stats import STEP_STATS, StatsSnapshot
+from lightning_fsdp.engine.diagnostics.step_stats import STEP_STATS, StatsSnapshot
+from lightning_fsdp.engine.runtime.registry import units_under
+from lightning_fsdp.engine.runtime.unit import FSDPUnit
 from lightning_fsdp.engine.transport.hosts import host_identity
-from lightning_fsdp.engine.unit import FSDPUnit
 from lightning_fsdp.estimate import STRATEGIES, estimate_memory
 from lightning_fsdp.monitor.advice import Advisor, RunFacts
 from lightning_fsdp.monitor.interval import RankSample, combine, metrics_of, row_length

@@ -3,8 +3,8 @@
 Lightning unwraps a compiled LightningModule (``from_compiled`` re-applies the compiler to its ``forward`` and
 ``*_step`` methods) and then refuses every strategy outside an allow-list of its own classes: single device, DDP
 and its own FSDP. Our strategy runs compiled code like those do -- the engine's hooks are kept out of traced graphs
-(see [Note: hooks stay out of compiled graphs] in engine/hooks.py) -- so the check the Trainer calls is widened by
-exactly our strategy; every other strategy still meets Lightning's own check, unchanged.
+(see [Note: hooks stay out of compiled graphs] in engine/runtime/hooks.py) -- so the check the Trainer calls is widened
+by exactly our strategy; every other strategy still meets Lightning's own check, unchanged.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ evaluation that is usually inside a unit's gather, where the broadcast waits for
 both wait until the process group's timeout. Outside ``fit`` (whose handling is ``preemption.py``'s) this handler
 takes its place: it records what Lightning's would (``trainer.received_sigterm``, on which Lightning's evaluation
 loop raises ``SIGTERMException`` at the next batch end) and makes a wait that has gone on for a while raise it at
-once (see [Note: every wait knows where its peers are] in ``engine/transport/whereabouts.py``): a rank stuck waiting
+once (see [Note: every wait knows where its peers are] in ``engine/diagnostics/hang_watch.py``): a rank stuck waiting
 for a peer never reaches a batch end. The peers see it exit within a second and stop too.
 """
 
@@ -18,7 +18,7 @@ from types import FrameType
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_fsdp.engine.transport.whereabouts import interrupt_waits
+from lightning_fsdp.engine.diagnostics.hang_watch import interrupt_waits
 
 SIGTERM_EXIT_STATUS = 128 + signal.SIGTERM
 

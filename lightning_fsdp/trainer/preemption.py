@@ -44,7 +44,7 @@ end for whatever of the round trip the optimizer step did not cover.
 
 [Note: SIGTERM in a wait that does not end] A rank that waits for a peer that never comes (stuck in its data
 loader, in a collective of its own, gone quiet) never reaches a batch end, so a SIGTERM it records would wait for the
-process group's timeout. So the handler also arms ``interrupt_waits`` (``engine/transport/whereabouts.py``): a wait
+process group's timeout. So the handler also arms ``interrupt_waits`` (``engine/diagnostics/hang_watch.py``): a wait
 of ours that has lasted ``STUCK_WAIT_S`` (or already had when the signal came) raises ``SIGTERMException`` (exit
 status 143), and the peers see this rank leave at their next wait and stop too (``PeerExitedError``). Waits shorter
 than that end as usual, so in a healthy step the signal is still acted on at the batch end by every rank together,
@@ -76,7 +76,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_fsdp.engine.transport.whereabouts import interrupt_waits, wait_work
+from lightning_fsdp.engine.diagnostics.hang_watch import interrupt_waits, wait_work
 
 log = logging.getLogger(__name__)
 

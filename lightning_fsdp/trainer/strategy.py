@@ -73,8 +73,8 @@ from lightning_fsdp.checkpoint.remote_last import resolve_remote_last
 from lightning_fsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_fsdp.engine import MixedPrecision, no_sync
 from lightning_fsdp.engine.optimizers import prepare_optimizer
-from lightning_fsdp.engine.registry import unit_of
-from lightning_fsdp.engine.state_dict import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict
+from lightning_fsdp.engine.runtime.registry import unit_of
+from lightning_fsdp.engine.state.state_dict import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict
 from lightning_fsdp.trainer.checkpoint_io import atomic_checkpoint_io
 from lightning_fsdp.trainer.compile_support import accept_compiled_modules
 from lightning_fsdp.trainer.evaluation_signals import EvaluationSignals
@@ -617,7 +617,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
     @override
     def teardown(self) -> None:
         """Give back what the run took, however it ended (see [Note: what a run gives back] in
-        ``engine/release.py``): the engine's shared memory and buffers, the thread watching the main thread, the
+        ``engine/state/release.py``): the engine's shared memory and buffers, the thread watching the main thread, the
         signal handlers, the plugins. The model stays where it is (unlike the base class, which moves it to the CPU),
         its shards in memory of their own: it can be saved, read, or fitted again by a new Trainer.
 

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch import nn
 from typing_extensions import override
 
-from lightning_fsdp.engine.registry import fsdp_param_of
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of
 
 
 def full_numel(parameters: Iterable[nn.Parameter]) -> int:

@@ -5,14 +5,14 @@ sentence, and nothing waits forever.
 datasets) ranks can have different numbers of validation, test or predict batches. Before every such batch each
 rank says it has one (an all-reduce of one integer, SUM: how many ranks still run a step); at the end of its loop a
 rank keeps answering "none" and, while others still have batches, serves each of their forwards
-(``engine/serving.py``): its shards go out to their gathers, the model is read-only, nothing is computed or logged.
-When the sum is 0 every rank has ended, and all go on together to the epoch-end hooks and Lightning's ``sync_dist``:
-each rank's results are those of its own batches, as under DDP. A rank's loop has ended at the end of the batch its
-loop marks as the last (``batch_progress.is_last_batch``, from the data fetcher that looks one batch ahead): right
-after ``on_*_batch_end`` (this callback goes first among the callbacks), before Lightning reduces the epoch's
-logged values. Cost: one round trip per evaluation batch, and one more per loop. Several evaluation dataloaders
-are served once, after the last one: Lightning reduces each dataloader's logged values when it moves to the next,
-so their lengths must agree across ranks except the last one's.
+(``engine/features/uneven_evaluation.py``): its shards go out to their gathers, the model is read-only, nothing is
+computed or logged. When the sum is 0 every rank has ended, and all go on together to the epoch-end hooks and
+Lightning's ``sync_dist``: each rank's results are those of its own batches, as under DDP. A rank's loop has ended at
+the end of the batch its loop marks as the last (``batch_progress.is_last_batch``, from the data fetcher that looks one
+batch ahead): right after ``on_*_batch_end`` (this callback goes first among the callbacks), before Lightning reduces
+the epoch's logged values. Cost: one round trip per evaluation batch, and one more per loop. Several evaluation
+dataloaders are served once, after the last one: Lightning reduces each dataloader's logged values when it moves to the
+next, so their lengths must agree across ranks except the last one's.
 
 A rank with no batch at all never enters Lightning's loop (it skips it), so it cannot serve: give each rank at least
 one batch. Each served forward replays the units of this rank's own last evaluation forward, so a step must run the
@@ -37,8 +37,8 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_fsdp.adapter import watched_collectives
-from lightning_fsdp.engine.serving import ranks_with_batch, serve_forward
-from lightning_fsdp.engine.transport.whereabouts import set_phase
+from lightning_fsdp.engine.diagnostics.hang_watch import set_phase
+from lightning_fsdp.engine.features.uneven_evaluation import ranks_with_batch, serve_forward
 
 
 class UnevenData(Callback):

@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.checkpoint.full import full_optimizer_state
 from lightning_fsdp.demos.gpt import Block
-from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.engine.state.state_dict import full_state_dict
 from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 SAMPLES = 16

@@ -35,7 +35,7 @@ from strategy_common import LitGPT, make_trainer, out_dir, token_loader
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.checkpoint.safe_load import UntrustedCheckpointError
 from lightning_fsdp.demos.gpt import Block
-from lightning_fsdp.engine.registry import fsdp_param_of
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of
 from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 MESSAGES: dict[str, str] = {}

@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.hf_causal_lm import HFCausalLM
-from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.engine.state.state_dict import full_state_dict
 from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 VOCAB, SEQUENCE = 61, 12

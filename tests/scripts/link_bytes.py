@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_fsdp import fully_shard  # noqa: E402
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig  # noqa: E402
-from lightning_fsdp.engine.registry import unit_of  # noqa: E402
+from lightning_fsdp.engine.runtime.registry import unit_of  # noqa: E402
 from lightning_fsdp.engine.transport.hosts import HOST_SWITCH  # noqa: E402
 from lightning_fsdp.engine.transport.shm import ENV_SWITCH as SHARED_MEMORY_SWITCH  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402

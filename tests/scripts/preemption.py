@@ -47,7 +47,7 @@ from strategy_common import LitGPT, make_trainer, out_dir, token_loader
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.gpt import Block
-from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.engine.state.state_dict import full_state_dict
 from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 STEPS_PER_EPOCH = 3

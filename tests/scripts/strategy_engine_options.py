@@ -37,7 +37,7 @@ from strategy_common import TINY, LitGPT, make_trainer, out_dir, token_loader, w
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.gpt import GPT, Block
-from lightning_fsdp.engine.registry import units_under
+from lightning_fsdp.engine.runtime.registry import units_under
 from lightning_fsdp.engine.transport.hosts import HOST_SWITCH
 from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_fsdp import FSDPStrategy, ShardedEMA  # noqa: E402
 from lightning_fsdp.checkpoint.full import full_optimizer_state  # noqa: E402
 from lightning_fsdp.demos.gpt import Block  # noqa: E402
-from lightning_fsdp.engine.state_dict import full_state_dict  # noqa: E402
+from lightning_fsdp.engine.state.state_dict import full_state_dict  # noqa: E402
 from lightning_fsdp.runtime.process_exit import exit_after_distributed_run  # noqa: E402
 from tests.optimizers import MuonFP32, hidden_matrices  # noqa: E402
 

@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.demos.gpt import Block
-from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.diagnostics.comm_stats import CollectiveCounter
 from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 
 STEPS = 4

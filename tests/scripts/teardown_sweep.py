@@ -77,7 +77,7 @@ def resident_mb() -> float:
 def footprint() -> dict[str, Any]:
     """This process's footprint, read from ``/proc/self``, and what of ours is still alive. ``live_mb`` is the
     resident memory once malloc has given back what it keeps free for reuse (``malloc_trim``; the engine keeps more
-    on purpose, see ``engine/host_memory.py``): what is still in use, whatever the allocator's history."""
+    on purpose, see ``engine/features/host_memory.py``): what is still in use, whatever the allocator's history."""
     rss_mb = resident_mb()
     ctypes.CDLL(None).malloc_trim(0)
     return {

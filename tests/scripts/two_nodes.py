@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from lightning_fsdp import fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
-from lightning_fsdp.engine.registry import units_under
-from lightning_fsdp.engine.transport.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.diagnostics.comm_stats import CollectiveCounter
+from lightning_fsdp.engine.runtime.registry import units_under
 from lightning_fsdp.engine.transport.shm import SharedMemoryTransport
 
 

@@ -38,7 +38,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 from lightning_fsdp import FSDPStrategy, ShardedEMA
 from lightning_fsdp.demos.gpt import Block
 from lightning_fsdp.demos.lora import add_lora
-from lightning_fsdp.engine.state_dict import full_state_dict
+from lightning_fsdp.engine.state.state_dict import full_state_dict
 from tests.scripts.strategy_common import LitGPT, make_trainer, token_loader
 
 DECAY = 0.8

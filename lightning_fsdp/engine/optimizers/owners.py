@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from lightning_fsdp.engine.whole_tensors import ALIGN
+from lightning_fsdp.engine.runtime.whole_tensors import ALIGN
 
 
 def work_of(shape: torch.Size) -> int:

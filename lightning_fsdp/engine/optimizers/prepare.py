@@ -32,8 +32,8 @@ from lightning_fsdp.engine.optimizers.scope import (
     probe_scope,
     probe_shape,
 )
-from lightning_fsdp.engine.param import FSDPParam
-from lightning_fsdp.engine.registry import fsdp_param_of, unit_holding
+from lightning_fsdp.engine.runtime.param import FSDPParam
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of, unit_holding
 
 _PREPARED: WeakKeyDictionary[Optimizer, int] = WeakKeyDictionary()  # -> the parameters it held when prepared
 _SHARDED: set[int] = set()  # ids of the modules ``fully_shard`` sharded, not yet collected

@@ -1,8 +1,8 @@
 """How a unit's collectives move their bytes: one interface (``base.py``), an implementation per medium (gloo between
-hosts, shared memory inside one, NCCL on CUDA, one rank alone) and the choice among them (``choice.py``).
+hosts, shared memory inside one, NCCL on CUDA, one rank alone) and the choice among them (``selection.py``).
 
 The core of the engine talks to ``Transport`` and ``Pending`` only; what else lives here (the identity stamps of
-``ledger.py``, the peer waits, the buffer pool, the collective counter) serves the transports or watches them.
+``identity.py``, the peer waits, the buffer pool, the collective counter) serves the transports or watches them.
 """
 
 from lightning_fsdp.engine.transport.base import (
@@ -14,7 +14,7 @@ from lightning_fsdp.engine.transport.base import (
     announce,
     chunk_limit,
 )
-from lightning_fsdp.engine.transport.choice import choose_transport, standalone_transport
+from lightning_fsdp.engine.transport.selection import choose_transport, standalone_transport
 from lightning_fsdp.engine.transport.single_rank import SingleRank
 
 __all__ = [

@@ -17,7 +17,7 @@ What a collective's ``wait`` returns:
 - ``all_reduce(grads)``: the sum over ranks of the packed tensors, a 1-D tensor of its own.
 
 Each transport owns the buffer pool of its temporaries (see [Note: why pool on CPU] in ``buffers.py``) and carries
-every collective's ``Stamp`` with its data (see [Note: collective identity] in ``ledger.py``). Collectives whose data
+every collective's ``Stamp`` with its data (see [Note: collective identity] in ``identity.py``). Collectives whose data
 never reaches a ``torch.distributed`` op (shared memory) are announced to the hooks of ``add_collective_hook``, which
 is how ``comm_stats.CollectiveCounter`` counts them: no call into the statistics in the hot path.
 """
@@ -36,10 +36,10 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
-from lightning_fsdp.engine import collectives
-from lightning_fsdp.engine.collectives import RankRows
+from lightning_fsdp.engine.transport import packing
 from lightning_fsdp.engine.transport.buffers import BufferPool
-from lightning_fsdp.engine.transport.ledger import Stamp
+from lightning_fsdp.engine.transport.identity import Stamp
+from lightning_fsdp.engine.transport.packing import RankRows
 
 CHUNK_SWITCH = "LIGHTNING_FSDP_CHUNK_MIB"
 DEFAULT_CHUNK_MIB = 8.0  # a few MiB: chunks large enough that a chunk's bookkeeping costs nothing beside its copies
@@ -157,7 +157,7 @@ class Transport(ABC):
     # more gathers and reductions in flight (see [Note: the link's queue] in hooks.py).
     crosses_hosts = False
     # Whether it gathers single rows of a parameter (``gather_rows``): see [Note: an embedding's rows as they are
-    # looked up] in ``looked_up_rows.py``.
+    # looked up] in ``embedding_rows.py``.
     gathers_rows = False
 
     def __init__(self, group: ProcessGroup | None) -> None:
@@ -176,7 +176,7 @@ class Transport(ABC):
         self.pool.clear()
 
     def close(self) -> None:
-        """The end of the run (see [Note: what a run gives back] in ``engine/release.py``): give back every buffer
+        """The end of the run (see [Note: what a run gives back] in ``engine/state/release.py``): give back every buffer
         and whatever the transport holds outside the garbage collector's view. It is not used again; a later forward
         of its root chooses a new one."""
         self.pool.clear_all()
@@ -216,7 +216,7 @@ class Transport(ABC):
         pending = self.all_gather(shards, dtype, stamp)
 
         def finish() -> None:
-            collectives.unpack_all_gather(pending.wait(), [shard.numel() for shard in shards], dests)
+            packing.unpack_all_gather(pending.wait(), [shard.numel() for shard in shards], dests)
             pending.release()
 
         return Pending(finish)
@@ -245,7 +245,7 @@ class Transport(ABC):
         self, grads: list[RankRows], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:
         """This rank's row of the sum over ranks of ``grads`` packed side by side (their zero-padded
-        (world_size, columns) views; see ``collectives.RankRows``)."""
+        (world_size, columns) views; see ``packing.RankRows``)."""
 
     @abstractmethod
     def all_reduce(

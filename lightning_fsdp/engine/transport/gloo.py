@@ -6,7 +6,7 @@ of every rank's input, followed by a local sum, moves exactly the reduce-scatter
 input per rank) and runs asynchronously on gloo's worker threads, so on gloo we build the reduce-scatter that way.
 
 [Note: stamps in the frames] Every rank's part of a collective is a *frame*: the data, then the collective's stamp
-(``STAMP_BYTES``; see [Note: collective identity] in ``ledger.py``). An all-gather and an all-to-all move raw bytes,
+(``STAMP_BYTES``; see [Note: collective identity] in ``identity.py``). An all-gather and an all-to-all move raw bytes,
 so the frames travel as uint8 and the data is viewed in its dtype on both sides; after the wait every rank compares
 the stamps it received with its own. An all-reduce sums, so it carries the stamp's digest bits instead. The check
 costs a few bytes per collective, not a collective of its own.
@@ -53,7 +53,7 @@ stands for; its messages and the stamps' gather are not counted (``messages_of_a
 [Note: reductions between hosts point to point] A reduce-scatter between hosts is messages too, tagged and stamped as
 above: each rank sends its peer r the r-th row of every gradient, straight from the gradient (a zero-padded copy where
 the row is short), and receives every peer's row of its own into one buffer; its own row is then added from the gradient
-itself, as shared memory does (see [Note: the own row stays in the gradient] in ``collectives.py``). No send buffer of W
+itself, as shared memory does (see [Note: the own row stays in the gradient] in ``packing.py``). No send buffer of W
 rows is packed; under a wire narrower than the gradient, or a division before the sum, every row is packed once, cast
 and divided in that copy, and the own row is summed from it, rounded as the others are, so that the gradients can go at
 once. On one host gloo keeps its framed all-to-all in bounded chunks: there the chunks' memory bound matters more than a
@@ -79,8 +79,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lightning_fsdp.engine import collectives
-from lightning_fsdp.engine.collectives import RankRows
+from lightning_fsdp.engine.diagnostics.hang_watch import wait_work
+from lightning_fsdp.engine.transport import packing
 from lightning_fsdp.engine.transport.base import (
     PIPELINE,
     Pending,
@@ -90,8 +90,8 @@ from lightning_fsdp.engine.transport.base import (
     messages_of_a_collective,
     payload,
 )
-from lightning_fsdp.engine.transport.ledger import DIGEST_BITS, STAMP_BYTES, Stamp
-from lightning_fsdp.engine.transport.whereabouts import wait_work
+from lightning_fsdp.engine.transport.identity import DIGEST_BITS, STAMP_BYTES, Stamp
+from lightning_fsdp.engine.transport.packing import RankRows
 
 # torch 2.13 renamed the flat-tensor all-gather; older releases only have the old name.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -134,7 +134,7 @@ class GlooTransport(Transport):
         data_bytes = sum(shard.numel() for shard in shards) * dtype.itemsize
         frame = frame_bytes(data_bytes, stamp)
         send = pool.take(frame, torch.uint8, shards[0].device)
-        collectives.pack([shard.reshape(-1) for shard in shards], send[:data_bytes].view(dtype))
+        packing.pack([shard.reshape(-1) for shard in shards], send[:data_bytes].view(dtype))
         if stamp is not None:
             send[data_bytes:].copy_(stamp.as_bytes())
         output = pool.take(world_size * frame, torch.uint8, send.device)
@@ -165,7 +165,7 @@ class GlooTransport(Transport):
         packed = None
         if any(shard.dtype != dtype for shard in flat):  # mixed precision: the packing copy is the cast
             packed = self.pool.take(numel, dtype, device)
-            collectives.pack(flat, packed)
+            packing.pack(flat, packed)
         sources = flat if packed is None else list(packed.split(shard_numels))
         direct = all(row.dtype == dtype for row in rows)  # else rows wider than the wire (CrossHostPrecision)
         arrivals = {
@@ -184,7 +184,7 @@ class GlooTransport(Transport):
         def finish() -> None:
             messages()
             for peer, arrived in arrivals.items():
-                collectives.unpack_gathered_chunk(arrived, peer, 0, shard_numels, rows)
+                packing.unpack_gathered_chunk(arrived, peer, 0, shard_numels, rows)
                 self.pool.give(arrived)
             if packed is not None:
                 self.pool.give(packed)
@@ -232,7 +232,7 @@ class GlooTransport(Transport):
     def gather_rows(self, wanted: torch.Tensor, shard: torch.Tensor, full: torch.Tensor, stamp: Stamp | None) -> int:
         """Fill the rows of ``full`` (the padded (world_size * rows, row_numel) tensor) that ``wanted`` marks (one byte
         a row, 1: fill it) from the ranks that hold them; ``shard``: this rank's (rows, row_numel). Every rank of the
-        group calls it alike (see [Note: an embedding's rows as they are looked up] in ``looked_up_rows.py``): the
+        group calls it alike (see [Note: an embedding's rows as they are looked up] in ``embedding_rows.py``): the
         marks ride in the stamps' gather, then each rank sends each peer the rows of its shard that peer wants.
         Returns the rows received from peers."""
         world_size, rank, rows = self.world_size, self.rank, shard.size(0)
@@ -307,7 +307,7 @@ class GlooTransport(Transport):
         frame = frame_bytes(data_bytes, stamp)
         send = pool.take(world_size * frame, torch.uint8, grads[0].flat.device).view(world_size, frame)
         data = send[:, :data_bytes].view(dtype)
-        collectives.pack_rows(grads, data)
+        packing.pack_rows(grads, data)
         if divide_by is not None:
             data.div_(divide_by)
         if stamp is not None:
@@ -320,7 +320,7 @@ class GlooTransport(Transport):
             if stamp is not None:
                 stamp.verify_bytes(received[:, data_bytes:], self.group)
             out = None if result_dtype == dtype else torch.empty(columns, dtype=result_dtype, device=send.device)
-            result = collectives.sum_rows(list(received[:, :data_bytes].view(dtype).unbind(0)), out)
+            result = packing.sum_rows(list(received[:, :data_bytes].view(dtype).unbind(0)), out)
             pool.give(send)
             pool.give(received)
             return result
@@ -343,7 +343,7 @@ class GlooTransport(Transport):
         packed = None
         if divide_by is not None or any(grad.flat.dtype != dtype for grad in grads):  # the copy casts and divides
             packed = self.pool.take(world_size * columns, dtype, device).view(world_size, columns)
-            collectives.pack_rows(grads, packed)
+            packing.pack_rows(grads, packed)
             if divide_by is not None:
                 packed.div_(divide_by)
             rows_for = {peer: list(packed[peer].split(widths)) for peer in peers}
@@ -383,9 +383,9 @@ class GlooTransport(Transport):
                 self._exchange_touched_rows(sparse, every_ranks_marks.amax(dim=0), dtype, stamp)
             result = torch.empty(columns, dtype=result_dtype, device=device)
             if kept is not None:
-                collectives.sum_own_row(kept, rank, list(arrived.unbind(0)), 1.0, result)
+                packing.sum_own_row(kept, rank, list(arrived.unbind(0)), 1.0, result)
             else:  # every addend rounded to the wire's dtype alike, the own row too, and summed in the result's
-                collectives.sum_rows([packed[rank], *arrived.unbind(0)], result)
+                packing.sum_rows([packed[rank], *arrived.unbind(0)], result)
                 self.pool.give(packed)
             self.pool.give(arrived)
             return result
@@ -430,7 +430,7 @@ class GlooTransport(Transport):
             received = self.pool.take(world_size * full_frame, torch.uint8, device)
             frames = send[: world_size * frame].view(world_size, frame)
             data = frames[:, :data_bytes].view(dtype)
-            collectives.pack_rows(grads, data, start)
+            packing.pack_rows(grads, data, start)
             if divide_by is not None:
                 data.div_(divide_by)
             if stamp is not None:
@@ -446,7 +446,7 @@ class GlooTransport(Transport):
             frames = received[: world_size * frame].view(world_size, frame)
             if stamp is not None:
                 stamp.verify_bytes(frames[:, data_bytes:], self.group)
-            collectives.sum_rows(list(frames[:, :data_bytes].view(dtype).unbind(0)), result[start:stop])
+            packing.sum_rows(list(frames[:, :data_bytes].view(dtype).unbind(0)), result[start:stop])
             self.pool.give(send, keep=True)
             self.pool.give(received, keep=True)
 
@@ -463,7 +463,7 @@ class GlooTransport(Transport):
     ) -> Pending[torch.Tensor]:
         numel = sum(grad.numel() for grad in grads)
         flat = torch.empty(numel + (DIGEST_BITS if stamp is not None else 0), dtype=dtype, device=grads[0].device)
-        collectives.pack(grads, flat[:numel])
+        packing.pack(grads, flat[:numel])
         if divide_by is not None:
             flat[:numel].div_(divide_by)
         if stamp is not None:
@@ -530,7 +530,7 @@ def _pieces(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def _whole_row(grad: RankRows, row: int) -> torch.Tensor:
     """Row ``row`` of the gradient's zero-padded (world_size, columns) view: a view of the gradient where it is whole,
     else a zero-padded copy (the last rows of an uneven parameter, or a gradient that never arrived)."""
-    part = collectives.row_of(grad, row)
+    part = packing.row_of(grad, row)
     if part.numel() == grad.columns:
         return part
     whole = torch.zeros(grad.columns, dtype=grad.flat.dtype, device=grad.flat.device)

@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lightning_fsdp.engine.collectives import RankRows
 from lightning_fsdp.engine.options import CrossHostPrecision
 from lightning_fsdp.engine.transport.base import Pending, Transport
+from lightning_fsdp.engine.transport.compressed import link_transport
 from lightning_fsdp.engine.transport.gloo import GlooTransport
 from lightning_fsdp.engine.transport.hosts import HostLayout
-from lightning_fsdp.engine.transport.ledger import Stamp
-from lightning_fsdp.engine.transport.link import link_transport
+from lightning_fsdp.engine.transport.identity import Stamp
+from lightning_fsdp.engine.transport.packing import RankRows
 from lightning_fsdp.engine.transport.shm import SharedMemoryTransport, timeout_of
 
 # Subgroups made per parent group, by their world ranks: a second root over the same group reuses them.

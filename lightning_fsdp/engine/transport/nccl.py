@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lightning_fsdp.engine import collectives
-from lightning_fsdp.engine.collectives import RankRows
+from lightning_fsdp.engine.transport import packing
 from lightning_fsdp.engine.transport.base import Pending, Transport
 from lightning_fsdp.engine.transport.gloo import all_gather_flat, frame_bytes
-from lightning_fsdp.engine.transport.ledger import DIGEST_BITS, Stamp
+from lightning_fsdp.engine.transport.identity import DIGEST_BITS, Stamp
+from lightning_fsdp.engine.transport.packing import RankRows
 
 # torch 2.13 renamed the flat-tensor reduce-scatter; older releases only have the old name.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -100,7 +100,7 @@ class NcclTransport(Transport):
             self.gather_stream.wait_stream(compute)
         with self._on(self.gather_stream):
             send = torch.empty(frame, dtype=torch.uint8, device=self.device)
-            collectives.pack([shard.reshape(-1) for shard in shards], send[:data_bytes].view(dtype))
+            packing.pack([shard.reshape(-1) for shard in shards], send[:data_bytes].view(dtype))
             if stamp is not None:
                 send[data_bytes:].copy_(stamp.as_bytes(), non_blocking=True)
             output = torch.empty(world_size * frame, dtype=torch.uint8, device=self.device)
@@ -126,7 +126,7 @@ class NcclTransport(Transport):
         world_size, columns = self.world_size, sum(grad.columns for grad in grads)
         extra = DIGEST_BITS if stamp is not None else 0
         send = torch.empty(world_size, columns + extra, dtype=dtype, device=self.device)
-        collectives.pack_rows(grads, send[:, :columns])
+        packing.pack_rows(grads, send[:, :columns])
         if divide_by is not None:
             send[:, :columns].div_(divide_by)
         if stamp is not None:
@@ -141,7 +141,7 @@ class NcclTransport(Transport):
     ) -> Pending[torch.Tensor]:
         numel = sum(grad.numel() for grad in grads)
         flat = torch.empty(numel + (DIGEST_BITS if stamp is not None else 0), dtype=dtype, device=self.device)
-        collectives.pack(grads, flat[:numel])
+        packing.pack(grads, flat[:numel])
         if divide_by is not None:
             flat[:numel].div_(divide_by)
         if stamp is not None:

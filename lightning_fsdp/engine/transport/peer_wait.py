@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed import ProcessGroup
 
-from lightning_fsdp.engine.transport.whereabouts import Waiting, failure_of
+from lightning_fsdp.engine.diagnostics.hang_watch import Waiting, failure_of
 
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 YIELD_S = 1e-3  # wall time spent yielding between reads before sleeping between them
@@ -70,7 +70,7 @@ def wait_until(
 
     Raises ``PeerExitedError`` when one of them has exited, ``TimeoutError`` after ``timeout_s``, and, once the
     wait is long, what ``where()``'s checks raise: see [Note: every wait knows where its peers are] in
-    ``whereabouts.py``.
+    ``hang_watch.py``.
     """
     if ready():
         return

@@ -9,7 +9,7 @@ the gathered buffer) and no message: each rank packs its send buffer straight in
 once every rank's counter says its data is there, every rank reads every other rank's segment. A reduce-scatter is the
 same with a sum: each rank packs the other ranks' rows of its (world_size, shard) gradient buffer into its segment
 and sums row ``rank`` of every other segment with its own row, read from the gradients themselves (see [Note: the
-own row stays in the gradient] in ``collectives.py``). This is what DeepSpeed's shared-memory all-reduce does for
+own row stays in the gradient] in ``packing.py``). This is what DeepSpeed's shared-memory all-reduce does for
 CPU ranks; NCCL does it on one node too.
 
 [Note: slots] Each rank's segment is cut into slots, one per collective in flight, in two sets sized by what each
@@ -41,7 +41,7 @@ more (slot to result) than the views of a single slot.
 
 A rank waiting on another notices within a second when that rank has exited, and gives up after the process group's
 timeout: a dead rank never leaves the others hanging. Each slot starts with a header holding the identity of the
-collective written there (see [Note: collective identity] in ``ledger.py``): a rank that entered another collective
+collective written there (see [Note: collective identity] in ``identity.py``): a rank that entered another collective
 is named at once instead of read.
 Set ``LIGHTNING_FSDP_SHARED_MEMORY=0`` to keep everything on gloo.
 
@@ -76,7 +76,7 @@ is allocated in full when it is created (``SLOTS``: three gather slots and two r
 falls back to gloo), not a SIGBUS mid-training. A run gives it back before the process ends: at the run's teardown
 the units' shards move out of their homes into memory of their own and the transport unmaps everything (``close``),
 so a sweep of many fits in one process holds no segment between fits (see [Note: what a run gives back] in
-``engine/release.py``). A view of a home kept past that (a tensor of a sharded state dict) keeps its mapping, and
+``engine/state/release.py``). A view of a home kept past that (a tensor of a sharded state dict) keeps its mapping, and
 with it the whole segment's memory, until it is dropped.
 """
 
@@ -95,8 +95,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lightning_fsdp.engine import collectives
-from lightning_fsdp.engine.collectives import RankRows
+from lightning_fsdp.engine.diagnostics.hang_watch import Waiting, place_of
+from lightning_fsdp.engine.transport import packing
 from lightning_fsdp.engine.transport.base import (
     PIPELINE,
     SHARED_MEMORY_CHUNK_MIB,
@@ -107,9 +107,9 @@ from lightning_fsdp.engine.transport.base import (
     payload,
 )
 from lightning_fsdp.engine.transport.gloo import GlooTransport
-from lightning_fsdp.engine.transport.ledger import STAMP_NUMEL, CollectiveMismatchError, Stamp
+from lightning_fsdp.engine.transport.identity import STAMP_NUMEL, CollectiveMismatchError, Stamp
+from lightning_fsdp.engine.transport.packing import RankRows
 from lightning_fsdp.engine.transport.peer_wait import ORDERED_STORES, int64_words, wait_until
-from lightning_fsdp.engine.transport.whereabouts import Waiting, place_of
 
 ENV_SWITCH = "LIGHTNING_FSDP_SHARED_MEMORY"
 SEGMENT_NAME = "lightning_fsdp"  # how the segments show in /proc/<pid>/maps: "/memfd:lightning_fsdp-<pid> (deleted)"
@@ -126,7 +126,7 @@ def slot_bytes(send_bytes: dict[str, int], world_size: int) -> dict[str, int]:
 
 
 _ALIGN = 64  # bytes: keeps every slot aligned for vectorised copies of any dtype
-HEADER_BYTES = _ALIGN  # int64 words: the collective's identity (see [Note: collective identity] in ledger.py), then
+HEADER_BYTES = _ALIGN  # int64 words: the collective's identity (see [Note: collective identity] in identity.py), then
 PUBLISHED = STAMP_NUMEL  # the use of the slot whose data this rank has written,
 READ = STAMP_NUMEL + 1  # and the use of the slot whose data this rank has read from every rank
 # Each segment starts with one more header, the rank's: the sequence number of the last collective it published in
@@ -594,7 +594,7 @@ class SharedMemoryTransport(Transport):
             return self.fallback.all_gather(shards, dtype, stamp)
         slot, sequence = taken
         send = self.view(slots, self.rank, slot, numel, dtype)
-        collectives.pack([shard.reshape(-1) for shard in shards], send)
+        packing.pack([shard.reshape(-1) for shard in shards], send)
         announce("all_gather", "shm::all_gather", send, self.world_size)
         self._publish(slots, slot, sequence, stamp)
 
@@ -643,17 +643,17 @@ class SharedMemoryTransport(Transport):
         dests: list[torch.Tensor],
     ) -> Pending[None]:
         """The packed 1-D ``shards`` of every rank, chunk by chunk, each rank's part of shard i copied into its row of
-        ``dests[i]`` viewed as (world_size, ``shard_numels[i]``) (``collectives.unpack_all_gather``'s layout)."""
+        ``dests[i]`` viewed as (world_size, ``shard_numels[i]``) (``packing.unpack_all_gather``'s layout)."""
         slots, numel = self.slots["all_gather"], sum(shard_numels)
         rows = [dest.view(self.world_size, -1) for dest in dests]
 
         def pack(slot: int, start: int, stop: int) -> None:
-            collectives.pack(shards, self.view(slots, self.rank, slot, stop - start, dtype), start)
+            packing.pack(shards, self.view(slots, self.rank, slot, stop - start, dtype), start)
 
         def read(slot: int, start: int, stop: int) -> None:
             for rank in range(self.world_size):
                 chunk = self.view(slots, rank, slot, stop - start, dtype)
-                collectives.unpack_gathered_chunk(chunk, rank, start, shard_numels, rows)
+                packing.unpack_gathered_chunk(chunk, rank, start, shard_numels, rows)
 
         announce("all_gather", "shm::all_gather", payload((numel,), dtype), self.world_size)
         last = self._stream(slots, numel, slots.slot_bytes // dtype.itemsize, dtype.itemsize, pack, read, stamp)
@@ -729,10 +729,10 @@ class SharedMemoryTransport(Transport):
         divide_by: int | None,
     ) -> None:
         """Columns ``start`` on of ``grads``' rows into this rank's (world_size, columns) ``send``."""
-        if own_row_in_grads:  # see [Note: the own row stays in the gradient] in collectives.py
-            collectives.pack_peer_rows(grads, send, self.rank, scale, start)
+        if own_row_in_grads:  # see [Note: the own row stays in the gradient] in packing.py
+            packing.pack_peer_rows(grads, send, self.rank, scale, start)
         else:
-            collectives.pack_rows(grads, send, start)
+            packing.pack_rows(grads, send, start)
             if divide_by is not None:
                 send.div_(divide_by)
 
@@ -755,14 +755,14 @@ class SharedMemoryTransport(Transport):
         ]
         if own_row_in_grads:
             peers = [row for rank, row in enumerate(rows) if rank != self.rank]
-            collectives.sum_own_row(grads, self.rank, peers, scale, out, start)
+            packing.sum_own_row(grads, self.rank, peers, scale, out, start)
         else:
-            collectives.sum_rows(rows, out)
+            packing.sum_rows(rows, out)
 
     def divides_exactly(self, divisor: int, grads: list[RankRows], dtype: torch.dtype) -> bool:
         """Reduce-scatters of gradients already in ``dtype`` keep the own row in the gradients and, for a
         power-of-two ``divisor``, divide inside copies they make anyway (see [Note: the own row stays in the
-        gradient] in ``collectives.py``)."""
+        gradient] in ``packing.py``)."""
         power_of_two = divisor > 0 and divisor & (divisor - 1) == 0
         same_dtype = all(grad.flat.dtype == dtype or grad.flat.numel() == 0 for grad in grads)
         return power_of_two and same_dtype and self.slots["reduce"].has_free()  # not gloo's pass over W rows
@@ -779,7 +779,7 @@ class SharedMemoryTransport(Transport):
             return self.fallback.all_reduce(grads, dtype, stamp, divide_by)
         slot, sequence = taken
         send = self.view(slots, self.rank, slot, numel, dtype)
-        collectives.pack(grads, send)
+        packing.pack(grads, send)
         if divide_by is not None:
             send.div_(divide_by)
         announce("all_reduce", "shm::all_reduce", send, self.world_size)
@@ -787,7 +787,7 @@ class SharedMemoryTransport(Transport):
 
         def finish() -> torch.Tensor:
             self._await_published(slots, slot, sequence, stamp)
-            result = collectives.sum_rows([self.view(slots, r, slot, numel, dtype) for r in range(self.world_size)])
+            result = packing.sum_rows([self.view(slots, r, slot, numel, dtype) for r in range(self.world_size)])
             self._release(slots, slot, sequence)
             return result
 
@@ -804,13 +804,13 @@ class SharedMemoryTransport(Transport):
 
         def pack(slot: int, start: int, stop: int) -> None:
             send = self.view(slots, self.rank, slot, stop - start, dtype)
-            collectives.pack(grads, send, start)
+            packing.pack(grads, send, start)
             if divide_by is not None:
                 send.div_(divide_by)
 
         def read(slot: int, start: int, stop: int) -> None:
             views = [self.view(slots, rank, slot, stop - start, dtype) for rank in range(self.world_size)]
-            collectives.sum_rows(views, result[start:stop])
+            packing.sum_rows(views, result[start:stop])
 
         announce("all_reduce", "shm::all_reduce", payload((numel,), dtype), self.world_size)
         last = self._stream(slots, numel, slots.slot_bytes // dtype.itemsize, dtype.itemsize, pack, read, stamp)

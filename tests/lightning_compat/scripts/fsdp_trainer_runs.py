@@ -71,8 +71,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, always_wrap_policy, si
 from torchmetrics import Accuracy
 
 from lightning_fsdp import FSDPPrecision, FSDPStrategy
-from lightning_fsdp.engine.checkpointing import is_checkpointed
-from lightning_fsdp.engine.registry import unit_of
+from lightning_fsdp.engine.features.activation_checkpointing import is_checkpointed
+from lightning_fsdp.engine.runtime.registry import unit_of
 from lightning_fsdp.runtime.process_exit import exit_after_distributed_run
 from lightning_fsdp.trainer.sync_batchnorm import CPUCapableSyncBatchNorm
 

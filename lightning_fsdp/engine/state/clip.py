@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lightning_fsdp.engine.registry import fsdp_param_of
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of
 
 
 def clip_grad_norm_(

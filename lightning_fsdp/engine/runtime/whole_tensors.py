@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from lightning_fsdp.engine.collectives import RankRows
-from lightning_fsdp.engine.param import FSDPParam
+from lightning_fsdp.engine.runtime.param import FSDPParam
+from lightning_fsdp.engine.transport.packing import RankRows
 
 ALIGN = 16  # elements: every tensor starts at a multiple of it in its segment, so copies stay vector-aligned
 

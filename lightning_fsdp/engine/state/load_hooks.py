@@ -29,8 +29,8 @@ from weakref import WeakSet
 import torch
 from torch import Tensor, nn
 
-from lightning_fsdp.engine.registry import fsdp_param_of
-from lightning_fsdp.engine.state_dict import check_idle, copy_full_value
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of
+from lightning_fsdp.engine.state.state_dict import check_idle, copy_full_value
 
 _HOOKED: WeakSet[nn.Module] = WeakSet()
 
@@ -135,8 +135,8 @@ def _check_shapes(taken: list[_Taken]) -> None:
             + "; ".join(wrong[:6])
             + (" ..." if len(wrong) > 6 else "")
             + ". Pass a full state dict of the same architecture, as the unsharded model's state_dict() or "
-            "lightning_fsdp.engine.state_dict.full_state_dict(model) gives it (a sharded model's own state_dict() "
-            "holds only this rank's rows)."
+            "lightning_fsdp.engine.state.state_dict.full_state_dict(model) gives it (a sharded model's own "
+            "state_dict() holds only this rank's rows)."
         )
 
 

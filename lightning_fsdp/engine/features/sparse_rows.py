@@ -27,11 +27,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp.engine.collectives import nonzero_rows
-from lightning_fsdp.engine.step_stats import STEP_STATS
+from lightning_fsdp.engine.diagnostics.hang_watch import wait_work
+from lightning_fsdp.engine.diagnostics.step_stats import STEP_STATS
 from lightning_fsdp.engine.transport.base import Pending, Transport
-from lightning_fsdp.engine.transport.ledger import Stamp
-from lightning_fsdp.engine.transport.whereabouts import wait_work
+from lightning_fsdp.engine.transport.identity import Stamp
+from lightning_fsdp.engine.transport.packing import nonzero_rows
 
 
 class RowRegion(NamedTuple):

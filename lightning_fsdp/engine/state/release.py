@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_fsdp.engine.registry import units_under
-from lightning_fsdp.engine.state_dict import forget_meshes
+from lightning_fsdp.engine.runtime.registry import units_under
+from lightning_fsdp.engine.state.state_dict import forget_meshes
 
 
 def release(module: nn.Module) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import nn
 
-from lightning_fsdp.engine.policies import PolicyLike, as_wrap_policy
+from lightning_fsdp.engine.build.policies import PolicyLike, as_wrap_policy
 
 
 def _checkpointed_forward(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -124,13 +124,13 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_fsdp.engine.fingerprint import check_same_model
-from lightning_fsdp.engine.module_buffers import broadcast_buffers
+from lightning_fsdp.engine.build.fingerprint import check_same_model
+from lightning_fsdp.engine.features.module_buffers import broadcast_buffers
 from lightning_fsdp.engine.options import BackwardPrefetch
-from lightning_fsdp.engine.registry import unit_of, units_under
+from lightning_fsdp.engine.runtime.registry import unit_of, units_under
+from lightning_fsdp.engine.runtime.unit import FSDPUnit, PendingGradReduction
 from lightning_fsdp.engine.transport import Transport, choose_transport
-from lightning_fsdp.engine.transport.ledger import Ledger
-from lightning_fsdp.engine.unit import FSDPUnit, PendingGradReduction
+from lightning_fsdp.engine.transport.identity import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class RootContext:
         self.backwards_before_forward = 0
         self.buffers_trained = False  # a training forward ran since the ranks last took rank 0's buffers
         # The units an evaluation forward entered, in order, root excluded: what ``serve_forward`` replays
-        # (see [Note: serving the peers' forward] in serving.py). ``evaluation_units`` is the last whole one.
+        # (see [Note: serving the peers' forward] in uneven_evaluation.py). ``evaluation_units`` is the last whole one.
         self.evaluation_units: list[FSDPUnit] = []
         self._entering: list[FSDPUnit] | None = None
         # See [Note: the link's queue]; set once the transports are chosen.

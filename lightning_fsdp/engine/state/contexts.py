@@ -8,8 +8,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from lightning_fsdp.engine.registry import units_under
-from lightning_fsdp.engine.unit import TrainingState
+from lightning_fsdp.engine.runtime.registry import units_under
+from lightning_fsdp.engine.runtime.unit import TrainingState
 
 
 @contextmanager

@@ -7,10 +7,10 @@ a profiler. ``lightning_fsdp.monitor.FSDPMonitor`` reads these counters every fe
 The counters only ever grow: a reader keeps a :meth:`StepStats.snapshot` and subtracts it from a later one, so several
 readers never reset each other. ``unit.py`` updates them at its transitions (see [Note: profiler labels] there):
 
-- bytes: this rank's payload, the convention of ``transport/comm_stats.py`` -- the packed input shard of an all-gather,
-  the full input of a reduce-scatter, the tensor of an all-reduce -- by unit (its name as the engine names units) and
-  by transport (the short keys of :data:`TRANSPORT_KEYS`). HYBRID_SHARD's sum over replicas counts as reduced bytes
-  of the unit, on the replicas' transport.
+- bytes: this rank's payload, the convention of ``diagnostics/comm_stats.py`` -- the packed input shard of an
+  all-gather, the full input of a reduce-scatter, the tensor of an all-reduce -- by unit (its name as the engine names
+  units) and by transport (the short keys of :data:`TRANSPORT_KEYS`). HYBRID_SHARD's sum over replicas counts as
+  reduced bytes of the unit, on the replicas' transport.
 - ``blocked_s``: seconds the training thread spent inside a transport's collective calls and in the units' waits
   (``wait_unshard``, ``wait_reduce``): packing, shared memory's copies and waits for a slot or for peers, gloo's waits.
   On CUDA a wait orders streams and returns at once, so there it measures the host's part only.

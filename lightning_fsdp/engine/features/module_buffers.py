@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from lightning_fsdp.engine.registry import units_under
+from lightning_fsdp.engine.runtime.registry import units_under
 
 
 def broadcast_from_first(tensors: list[torch.Tensor], group: ProcessGroup) -> None:

@@ -29,17 +29,17 @@ from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from lightning_fsdp.engine.collectives import RankRows
-from lightning_fsdp.engine.fingerprint import ParamPrint, UnitPrint, value_checksum
-from lightning_fsdp.engine.looked_up_rows import LookedUpRows, looks_up_rows_only
-from lightning_fsdp.engine.masters import gather_grads, gather_masters
+from lightning_fsdp.engine.build.fingerprint import ParamPrint, UnitPrint, value_checksum
+from lightning_fsdp.engine.diagnostics.step_stats import STEP_STATS
+from lightning_fsdp.engine.features.embedding_rows import LookedUpRows, looks_up_rows_only
+from lightning_fsdp.engine.features.sparse_rows import RowRegion, sum_over_replicas_by_rows
 from lightning_fsdp.engine.options import ShardingOptions
-from lightning_fsdp.engine.param import FSDPParam
-from lightning_fsdp.engine.sparse_rows import RowRegion, sum_over_replicas_by_rows
-from lightning_fsdp.engine.step_stats import STEP_STATS
+from lightning_fsdp.engine.runtime.masters import gather_grads, gather_masters
+from lightning_fsdp.engine.runtime.param import FSDPParam
+from lightning_fsdp.engine.runtime.whole_tensors import WholeTensors
 from lightning_fsdp.engine.transport import Pending, Transport, standalone_transport
-from lightning_fsdp.engine.transport.ledger import Stamp
-from lightning_fsdp.engine.whole_tensors import WholeTensors
+from lightning_fsdp.engine.transport.identity import Stamp
+from lightning_fsdp.engine.transport.packing import RankRows
 
 # Gradients of at least this many bytes that arrive while other units' backward is still to run are reduced at
 # once, in a collective of their own: see [Note: gradients that arrive long before their unit's backward ends].

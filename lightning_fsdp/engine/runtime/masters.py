@@ -8,8 +8,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp.engine.param import FSDPParam
-from lightning_fsdp.engine.whole_tensors import WholeTensors
+from lightning_fsdp.engine.runtime.param import FSDPParam
+from lightning_fsdp.engine.runtime.whole_tensors import WholeTensors
 
 # torch 2.13 renamed the flat all-gather; older releases only have the old name.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -29,12 +29,12 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_fsdp.engine.masters import gather_masters
-from lightning_fsdp.engine.module_buffers import broadcast_buffers
+from lightning_fsdp.engine.features.module_buffers import broadcast_buffers
 from lightning_fsdp.engine.optimizers import prepare_optimizer
-from lightning_fsdp.engine.param import FSDPParam
-from lightning_fsdp.engine.registry import fsdp_param_of, units_under
-from lightning_fsdp.engine.unit import TrainingState
+from lightning_fsdp.engine.runtime.masters import gather_masters
+from lightning_fsdp.engine.runtime.param import FSDPParam
+from lightning_fsdp.engine.runtime.registry import fsdp_param_of, units_under
+from lightning_fsdp.engine.runtime.unit import TrainingState
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, Tensor]:

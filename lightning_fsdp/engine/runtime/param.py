@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from lightning_fsdp.engine.fingerprint import value_checksum
+from lightning_fsdp.engine.build.fingerprint import value_checksum
 
 # torch 2.13 renamed the flat all-gather; older releases only have the old name.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fsdp.engine.hooks import context_of, post_forward, pre_forward
-from lightning_fsdp.engine.registry import unit_of
-from lightning_fsdp.engine.transport.whereabouts import wait_work
+from lightning_fsdp.engine.diagnostics.hang_watch import wait_work
+from lightning_fsdp.engine.runtime.hooks import context_of, post_forward, pre_forward
+from lightning_fsdp.engine.runtime.registry import unit_of
 
 Batch = TypeVar("Batch")
 

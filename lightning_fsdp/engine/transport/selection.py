@@ -10,10 +10,10 @@ from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine.options import CrossHostPrecision
 from lightning_fsdp.engine.transport.base import Transport
+from lightning_fsdp.engine.transport.compressed import link_transport
 from lightning_fsdp.engine.transport.gloo import GlooTransport
 from lightning_fsdp.engine.transport.hierarchical import HierarchicalTransport
 from lightning_fsdp.engine.transport.hosts import HostLayout
-from lightning_fsdp.engine.transport.link import link_transport
 from lightning_fsdp.engine.transport.nccl import NcclTransport
 from lightning_fsdp.engine.transport.shm import SharedMemoryTransport
 from lightning_fsdp.engine.transport.single_rank import SingleRank

@@ -24,7 +24,7 @@ What that assumes, and how it is kept:
   rank that looks up more often than its peers raises ``CollectiveMismatchError`` instead of reading another
   collective's data.
 - *Evaluation gathers whole.* A forward without gradients (validation, prediction) gathers the weight as before: a
-  rank serving its peers' evaluation forward (``serving.py``) runs no module code, so it could take part in no
+  rank serving its peers' evaluation forward (``uneven_evaluation.py``) runs no module code, so it could take part in no
   lookup. Backward needs no row at all: a unit gathered again for backward leaves the weight unfilled (NaN), which
   nothing reads; activation checkpointing's recomputation looks up again, on every rank alike.
 """
@@ -38,10 +38,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_fsdp.engine.param import FSDPParam
-from lightning_fsdp.engine.step_stats import STEP_STATS
+from lightning_fsdp.engine.diagnostics.step_stats import STEP_STATS
+from lightning_fsdp.engine.runtime.param import FSDPParam
 from lightning_fsdp.engine.transport import Transport
-from lightning_fsdp.engine.transport.ledger import Stamp
+from lightning_fsdp.engine.transport.identity import Stamp
 
 
 class Unit(Protocol):

@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
-    from lightning_fsdp.engine.param import FSDPParam
-    from lightning_fsdp.engine.unit import FSDPUnit
+    from lightning_fsdp.engine.runtime.param import FSDPParam
+    from lightning_fsdp.engine.runtime.unit import FSDPUnit
 
 _UNIT_OF_MODULE: WeakKeyDictionary[nn.Module, ref[FSDPUnit]] = WeakKeyDictionary()
 _PARAM_OF_SHARD = WeakIdKeyDictionary()  # shard -> ref[FSDPParam]

@@ -7,7 +7,7 @@ inside each host keeps full precision.
 
 - Gathers in bf16: the packing copy casts, the unpacking copy casts back; every rank's rows (its own included) are
   the rounded ones, so every rank computes with the same parameters.
-- Gathers in int8: see [Note: int8 blocks] in ``wire.py``.
+- Gathers in int8: see [Note: int8 blocks] in ``int8.py``.
 - Reduce-scatters in bf16: each rank's rows for the others go as bf16 and are summed in the result's dtype (fp32)
   where they arrive: one rounding per addend, none in the sum.
 - All-reduces in bf16 (HYBRID's replicas): over two ranks gloo's bf16 sum adds the two bf16 addends in fp32 and rounds
@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lightning_fsdp.engine import collectives
-from lightning_fsdp.engine.collectives import RankRows
+from lightning_fsdp.engine.diagnostics.hang_watch import wait_work
 from lightning_fsdp.engine.options import CrossHostPrecision
+from lightning_fsdp.engine.transport import packing
 from lightning_fsdp.engine.transport.base import Pending
 from lightning_fsdp.engine.transport.gloo import GlooTransport, all_gather_flat, frame_bytes
-from lightning_fsdp.engine.transport.ledger import Stamp
-from lightning_fsdp.engine.transport.whereabouts import wait_work
-from lightning_fsdp.engine.transport.wire import decode_int8, encode_int8, int8_frame_bytes
+from lightning_fsdp.engine.transport.identity import Stamp
+from lightning_fsdp.engine.transport.int8 import decode_int8, encode_int8, int8_frame_bytes
+from lightning_fsdp.engine.transport.packing import RankRows
 
 
 class LinkTransport(GlooTransport):
@@ -63,7 +63,7 @@ class LinkTransport(GlooTransport):
         numel = sum(grad.numel() for grad in grads)
         columns = -(-numel // self.world_size)
         flat = torch.empty(numel, dtype=dtype, device=grads[0].device)
-        collectives.pack(grads, flat)
+        packing.pack(grads, flat)
         part = self._reduce_scatter([RankRows(flat, columns)], wire, stamp, divide_by, dtype)
 
         def finish() -> torch.Tensor:
@@ -76,7 +76,7 @@ class LinkTransport(GlooTransport):
     def _all_gather_int8(
         self, shards: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, dests: list[torch.Tensor]
     ) -> Pending[None]:
-        """See [Note: int8 blocks] in ``wire.py``: one frame a rank, the encoded shards then the stamp."""
+        """See [Note: int8 blocks] in ``int8.py``: one frame a rank, the encoded shards then the stamp."""
         world_size, pool = self.world_size, self.pool
         flat = [shard.reshape(-1) for shard in shards]
         shard_numels = [shard.numel() for shard in flat]
@@ -84,7 +84,7 @@ class LinkTransport(GlooTransport):
         data_bytes = int8_frame_bytes(numel)
         frame = frame_bytes(data_bytes, stamp)
         values = torch.empty(numel, dtype=torch.float32, device=flat[0].device)
-        collectives.pack(flat, values)
+        packing.pack(flat, values)
         send = pool.take(frame, torch.uint8, values.device)
         encode_int8(values, send[:data_bytes])
         if stamp is not None:
@@ -100,7 +100,7 @@ class LinkTransport(GlooTransport):
                 stamp.verify_bytes(frames[:, data_bytes:], self.group)
             for rank in range(world_size):
                 decoded = decode_int8(frames[rank, :data_bytes], numel, dtype)
-                collectives.unpack_gathered_chunk(decoded, rank, 0, shard_numels, rows)
+                packing.unpack_gathered_chunk(decoded, rank, 0, shard_numels, rows)
             pool.give(send)
             pool.give(output)
 

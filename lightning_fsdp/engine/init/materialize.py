@@ -3,7 +3,7 @@
 Each module with parameters or buffers of its own on the meta device gets real tensors on the target device, which
 are then initialised in one of two ways. A model built under :func:`track_meta_build` (the strategies' empty init)
 gets the init program its ``__init__`` ran replayed (see [Note: replaying the eager build's init] in
-``init_program.py``): a seeded meta build then gets exactly the eager build's values and leaves the random stream
+``program.py``): a seeded meta build then gets exactly the eager build's values and leaves the random stream
 where the eager build left it, whatever order ``__init__`` initialises in -- a parent initialising its own
 parameters after its child's (LitGPT's ``LoRALinear``), one ``self.apply(self._init_weights)`` sweep at the end
 (GPT-2), a buffer computed from ``torch.arange`` (rotary ``inv_freq``). Otherwise -- a ``param_init_fn`` given, a
@@ -58,7 +58,7 @@ from torch.nn.modules.module import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_fsdp.engine.init_program import InitProgram, covers_storage, recording, storage_key
+from lightning_fsdp.engine.init.program import InitProgram, covers_storage, recording, storage_key
 
 ParamInitFn = Callable[[nn.Module], None]
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def meta_build() -> Generator[None, None, None]:
 @contextmanager
 def track_meta_build() -> Generator[None, None, None]:
     """While a model is built on the meta device: record the init program the eager build would run (see [Note:
-    replaying the eager build's init] in ``init_program.py``), remember which module created each parameter, and
+    replaying the eager build's init] in ``program.py``), remember which module created each parameter, and
     make every module holding meta parameters refuse a ``load_state_dict`` that would be a silent no-op."""
     program = InitProgram()
 

@@ -49,7 +49,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lightning_fsdp.engine.transport.ledger import CollectiveMismatchError, Stamp
+from lightning_fsdp.engine.transport.identity import CollectiveMismatchError, Stamp
 
 POST_AFTER_S = 1.0
 CHECK_EVERY_S = 0.5

@@ -33,20 +33,21 @@ from lightning_fsdp.engine import (
     meta_build,
     no_sync,
     prepare_optimizer,
+    release,
     set_requires_gradient_sync,
     size_based_policy,
     summon_full_params,
     uneven_batches,
 )
-from lightning_fsdp.engine.state import release
 
 if TYPE_CHECKING:
+    from lightning_fsdp.adapter.precision import ShardedGradScaler
     from lightning_fsdp.averaging import ShardedEMA
     from lightning_fsdp.checkpoint.pretrained import load_pretrained
     from lightning_fsdp.estimate import estimate_memory
     from lightning_fsdp.fabric import FabricFSDPPrecision, FabricFSDPStrategy
     from lightning_fsdp.monitor import FSDPMonitor
-    from lightning_fsdp.trainer.precision import FSDPPrecision, ShardedGradScaler
+    from lightning_fsdp.trainer.precision import FSDPPrecision
     from lightning_fsdp.trainer.strategy import FSDPStrategy
 
 # Exports whose modules import Lightning: loaded when first asked for.
@@ -57,7 +58,7 @@ _LAZY = {
     "FSDPPrecision": "lightning_fsdp.trainer.precision",
     "FSDPStrategy": "lightning_fsdp.trainer.strategy",
     "ShardedEMA": "lightning_fsdp.averaging",
-    "ShardedGradScaler": "lightning_fsdp.trainer.precision",
+    "ShardedGradScaler": "lightning_fsdp.adapter.precision",
     "estimate_memory": "lightning_fsdp.estimate",
     "load_pretrained": "lightning_fsdp.checkpoint.pretrained",
 }

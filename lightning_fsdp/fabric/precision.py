@@ -1,8 +1,8 @@
-"""``Fabric(precision=...)`` for the sharded model: the Trainer plugin's dtypes, behind Fabric's precision interface.
+"""``Fabric(precision=...)`` for the sharded model: the shared dtypes of each setting, behind Fabric's interface.
 
 Fabric's precision plugins and the Trainer's differ in their hooks (Fabric's ``backward`` takes a plain module, its
-``optimizer_step`` no closure), not in what each precision means. So :class:`FabricFSDPPrecision` keeps a
-:class:`~lightning_fsdp.FSDPPrecision` for everything about dtypes -- the engine's ``MixedPrecision`` for
+``optimizer_step`` no closure), not in what each precision means. So :class:`FabricFSDPPrecision` keeps the
+``PrecisionDtypes`` of ``adapter/precision.py`` for everything about dtypes -- the engine's ``MixedPrecision`` for
 ``"-mixed"``, the model's dtype for ``"-true"``, autocast in the step -- and adds Fabric's loss scaling around it:
 ``"16-mixed"`` scales with a :class:`~lightning_fsdp.ShardedGradScaler`, whose skip decision every rank shares.
 
@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fsdp.adapter.precision import SUPPORTED_PRECISIONS, PrecisionDtypes, PrecisionName, ShardedGradScaler
 from lightning_fsdp.engine import MixedPrecision as EngineMixedPrecision
-from lightning_fsdp.trainer.precision import SUPPORTED_PRECISIONS, FSDPPrecision, PrecisionName, ShardedGradScaler
 
 __all__ = ["FabricFSDPPrecision", "as_fabric_fsdp_precision"]
 
@@ -41,7 +41,7 @@ class FabricFSDPPrecision(Precision):
     def __init__(
         self, precision: PrecisionName, scaler: ShardedGradScaler | None = None, device: str | None = None
     ) -> None:
-        self._dtypes = FSDPPrecision(precision, scaler, device)  # validates; the one definition of each precision
+        self._dtypes = PrecisionDtypes(precision, scaler, device)  # validates; the one definition of each setting
         self.precision = precision  # type: ignore[assignment]
         self.scaler = self._dtypes.scaler
 
@@ -69,11 +69,11 @@ class FabricFSDPPrecision(Precision):
 
     @override
     def tensor_init_context(self) -> AbstractContextManager:
-        return self._dtypes.tensor_init_context()
+        return self._dtypes.model_dtype_context()
 
     @override
     def module_init_context(self) -> AbstractContextManager:
-        return self._dtypes.module_init_context()
+        return self._dtypes.model_dtype_context()
 
     @override
     def forward_context(self) -> AbstractContextManager:
@@ -109,12 +109,11 @@ class FabricFSDPPrecision(Precision):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler is not None else {}
+        return self._dtypes.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state_dict)
+        self._dtypes.load_state_dict(state_dict)
 
 
 def as_fabric_fsdp_precision(plugin: Precision) -> FabricFSDPPrecision:

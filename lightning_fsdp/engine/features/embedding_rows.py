@@ -1,16 +1,15 @@
 """An untied embedding gathered between hosts by the rows its lookups read, not whole.
 
-[Note: an embedding's rows as they are looked up] ``nn.Embedding``'s forward reads one row of its weight per token,
-and its backward reads none (the gradient of a lookup is the output's gradient scattered into rows). A step of a few
+[Note: an embedding's rows as they are looked up] ``nn.Embedding``'s forward reads one row of its weight per token, and
+its backward reads none (the gradient of a lookup is the output's gradient scattered into rows). A step of a few
 thousand tokens reads a few thousand rows of a vocabulary of 32k-150k, yet a unit's gather moves every row of every
-rank: between hosts, where each byte costs link time, that is most of a language model's root unit for nothing
-(measured on ``../shared/bench``, 2 hosts x 1 rank at 1 Gbit/s: 8 of the 115 MB a step sends, for 128 tokens of 8192
-rows). So when a unit's gathers cross hosts (``Transport.gathers_rows``), the weight of an ``nn.Embedding`` that no
-other module shares (``FSDPParam.looked_up``) is left out of a training forward's gather: its full tensor is allocated
-and filled with NaN, and a forward pre-hook on the embedding, which sees the token ids, gathers exactly the rows they
-name from the ranks that hold them (``GlooTransport.gather_rows``: the wanted rows' marks ride in the stamps' gather,
-then each rank sends each peer the rows of its shard that peer wants). A second call in the same forward gathers only
-the rows not yet there. The lookups then compute with the same values a whole gather gives, to the bit.
+rank: between hosts, where each byte costs link time, that is most of a language model's root unit for nothing. So when
+a unit's gathers cross hosts (``Transport.gathers_rows``), the weight of an ``nn.Embedding`` that no other module shares
+(``FSDPParam.looked_up``) is left out of a training forward's gather: its full tensor is allocated and filled with NaN,
+and a forward pre-hook on the embedding, which sees the token ids, gathers exactly the rows they name from the ranks
+that hold them (``GlooTransport.gather_rows``: the wanted rows' marks ride in the stamps' gather, then each rank sends
+each peer the rows of its shard that peer wants). A second call in the same forward gathers only the rows not yet there.
+The lookups then compute with the same values a whole gather gives, to the bit.
 
 What that assumes, and how it is kept:
 

@@ -1,18 +1,17 @@
 """Keeping the host memory a CPU training step frees for the next step, instead of giving it back to the kernel.
 
-[Note: freed memory stays with the process] A sharded CPU step frees, and the next step allocates again, every
-unit's unsharded parameters and full gradients, and autograd's own temporaries of the same sizes (an embedding's
-gradient is a fresh zero-filled tensor of its whole table). glibc's malloc gives memory back to the kernel as soon as
-more than ``M_TRIM_THRESHOLD`` is free at the top of its heap, and serves every allocation above
-``M_MMAP_THRESHOLD`` with an ``mmap`` that its ``free`` unmaps; both thresholds grow with the largest block freed so
-far, to at most 64 and 32 MiB. A step that frees more than that at once (a language model's embedding and head
-alone are 33.6 MB at vocabulary 8192 and width 512) hands its pages back, and the next step takes every one of them
-again as a page fault that zero-fills it: measured with ``../shared/bench/engine_bench.py``, 12-15 thousand faults
-(50-58 MB) a step on each rank, and ~6% of the step (ours/ddp 0.77 and 0.75 before, 0.72 and 0.70 after, the same
-hour). PyTorch's CPU tuning guide answers this with jemalloc or tcmalloc preloaded; the same effect from inside the
-process is to fix both thresholds: blocks of up to 32 MiB (the most glibc accepts) come from the heap, and a trim
-leaves ``M_TOP_PAD`` of free memory at its top (without it, a trim gives back everything above the threshold once
-a step frees more, activations included), to be reused by the next step's allocations of the same sizes.
+[Note: freed memory stays with the process] A sharded CPU step frees, and the next step allocates again, every unit's
+unsharded parameters and full gradients, and autograd's own temporaries of the same sizes (an embedding's gradient is a
+fresh zero-filled tensor of its whole table). glibc's malloc gives memory back to the kernel as soon as more than
+``M_TRIM_THRESHOLD`` is free at the top of its heap, and serves every allocation above ``M_MMAP_THRESHOLD`` with an
+``mmap`` that its ``free`` unmaps; both thresholds grow with the largest block freed so far, to at most 64 and 32 MiB. A
+step that frees more than that at once (a language model's embedding and head alone are 33.6 MB at vocabulary 8192 and
+width 512) hands its pages back, and the next step takes every one of them again as a page fault that zero-fills it
+(tens of MB a step on each rank, a few percent of the step: see ``benchmarks/history.md``). PyTorch's CPU tuning guide
+answers this with jemalloc or tcmalloc preloaded; the same effect from inside the process is to fix both thresholds:
+blocks of up to 32 MiB (the most glibc accepts) come from the heap, and a trim leaves ``M_TOP_PAD`` of free memory at
+its top (without it, a trim gives back everything above the threshold once a step frees more, activations included), to
+be reused by the next step's allocations of the same sizes.
 
 The peak resident memory is unchanged (what stays free is what the step's peak already took, and the next step
 takes it again; measured: peak RSS 0.81 x DDP's before and after), but the resident memory no longer falls between

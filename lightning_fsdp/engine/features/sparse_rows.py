@@ -3,8 +3,7 @@
 [Note: an embedding's rows between hosts] An ``nn.Embedding``'s gradient is zero in every row no token of the step
 looked up: a step of a few thousand tokens touches a few thousand rows of a vocabulary of 32k-150k, and the rest of
 the gradient is zeros that DDP and a dense all-reduce send anyway. Between hosts that is most of the bytes of a
-language model's root unit, and the root's reduction is the last of backward: nothing is left to hide it behind
-(measured on ``../shared/bench`` as HYBRID (2, 2) at 1 Gbit/s: 77 ms of a 918 ms step waited for it).
+language model's root unit, and the root's reduction is the last of backward: nothing is left to hide it behind.
 
 So HYBRID's sum over replicas, when it crosses hosts, sends such a gradient by rows, exactly:
 

@@ -33,10 +33,9 @@ that order gathered, as torchtitan configures torch's FSDP2; backward uses it as
 reshards it with every other unit. Where the gathers cross hosts, backward's first unit prefetches the
 ``prefetch_depth`` units before it (see [Note: the link's queue]), so those are gathered at the start of backward
 as well: with ``BACKWARD_PRE`` the last ``1 + prefetch_depth`` units stay gathered, which saves their second trip
-over the link (two blocks' gathers, 12.6 MB a host a step on ``../shared/bench``'s model). The memory is what
-backward's start holds anyway, except that the two units now also coexist with the first gradients of backward (a
-language model's output head, before its early reduction): measured at 2 hosts x 2 ranks, 1 Gbit/s, peak memory above
-the steps' start 0.93 -> 1.06 x DDP's for a step 0.715 -> 0.677 x DDP's; unchanged at 2 x 1. ``backward_prefetch``
+over the link. The memory is what backward's start holds anyway, except that the two units now also coexist with the
+first gradients of backward (a language model's output head, before its early reduction); what that costs is in
+``benchmarks/history.md``. ``backward_prefetch``
 other than ``BACKWARD_PRE`` keeps only the last unit.
 
 [Note: hooks stay out of compiled graphs] ``torch.compile`` of the whole model would otherwise trace these hooks:
@@ -106,8 +105,7 @@ flight. So when a root's collectives cross hosts (``Transport.crosses_hosts``), 
 gathers of the next ``MAX_PREFETCHED_UNITS`` units (not one) are issued ahead in both directions, forward prefetch is on
 unless the user turned it off (``forward_prefetch=None``, the default), and two reductions stay in flight behind the
 current one instead of one. The rate limiter bounds the gathered units as always; what grows is a reduction's send
-buffer more alive at once. Measured on ``../shared/bench``'s two simulated hosts at 1 Gbit/s: see
-``benchmarks/README.md``.
+buffer more alive at once (measured: ``benchmarks/history.md``).
 """
 
 from __future__ import annotations

@@ -43,9 +43,8 @@ from lightning_fsdp.engine.transport.packing import RankRows
 
 CHUNK_SWITCH = "LIGHTNING_FSDP_CHUNK_MIB"
 DEFAULT_CHUNK_MIB = 8.0  # a few MiB: chunks large enough that a chunk's bookkeeping costs nothing beside its copies
-# A shared-memory slot: smaller, because every rank's segment is resident in every rank of the host that reads it
-# (measured on ../shared/bench's Trainer run: peak RSS 0.93 -> 0.88 x DDP's at 4 MiB, the step unchanged), while a
-# chunk over gloo is a message whose fixed costs 8 MiB amortise (its step 1.08 -> 1.15 x DDP's at 4 MiB).
+# A shared-memory slot: smaller, because every rank's segment is resident in every rank of the host that reads it,
+# while a chunk over gloo is a message whose fixed costs 8 MiB amortise (both measured: benchmarks/history.md).
 SHARED_MEMORY_CHUNK_MIB = 4.0
 PIPELINE = 2  # chunks of one collective in flight at once: one packed while the peers read the one before
 

@@ -22,11 +22,10 @@ chunks left in flight when the collective is issued finish in its ``wait``, behi
 
 [Note: chunks between hosts] Across a link, that bound costs what it saves: the issuing rank waits for the link to land
 a chunk before it may launch the next one, and a gloo pair with one message in flight at a time moves far less than the
-link's rate (measured on ``../shared/bench``'s simulated 1 Gbit/s NIC: 75 MB/s with one 4 MB chunk in flight, 115 MB/s
-with two or more, 48-66 MB/s for one 54 MB message). So a transport between hosts (``between_hosts``) launches every
-chunk of an all-reduce, and every message of a gather or reduce-scatter, when it is issued, each on gloo's threads: the
-training thread never waits on the link at issue, and the link always has a queue. Its buffers are the collective's
-size, as they would be whole.
+link's rate (measured on a simulated 1 Gbit/s NIC: ``benchmarks/history.md``). So a transport between hosts
+(``between_hosts``) launches every chunk of an all-reduce, and every message of a gather or reduce-scatter, when it is
+issued, each on gloo's threads: the training thread never waits on the link at issue, and the link always has a queue.
+Its buffers are the collective's size, as they would be whole.
 
 [Note: gathers point to point] gloo's all-gather receives into a flat tensor of its own and copies it into the output,
 which we then unpack into each parameter's rows: two copies of the whole unit on top of the packing, on 2 cores shared

@@ -3,7 +3,7 @@
 [Note: host identity] Two ranks share a host when they run under one kernel: the same hostname and the same boot id
 (``/proc/sys/kernel/random/boot_id``, new at every boot, so two machines cloned from one image still differ).
 ``LIGHTNING_FSDP_HOST`` overrides it: containers of one machine whose hostnames differ can claim one host, and the
-ranks of one machine can claim several (a simulated cluster, as ``../shared/bench`` runs one). Every rank of a group
+ranks of one machine can claim several (a simulated cluster, as the tests and benchmarks run one). Every rank of a group
 learns every other rank's identity in one collective when the root picks the group's transport, and the rest follows
 from it: shared memory among the ranks of one host only, gloo (or NCCL) between hosts, and a group whose hosts hold
 the same number of its ranks, each host's consecutive, gets the hierarchical collectives (``hierarchical.py``).

@@ -57,8 +57,6 @@ then each shard from a page boundary of its own, which this rank maps once more,
 storage is its own bytes, not the segment, so copying one (``copy.deepcopy``, DCP's staging) copies that shard only.
 A model of more than ``MAX_HOMED_SHARDS`` shards, or a rank the kernel refuses a mapping (``vm.max_map_count``), gets
 no homes, on every rank alike: its gathers pack into the slots as before.
-Measured on ``../shared/bench`` at 2 hosts x 2 ranks, HYBRID with bf16 between hosts: 0.437-0.450 x DDP's step before,
-0.41-0.43 after (``benchmarks/README.md``).
 
 A home's bytes change when the optimizer steps them (or a checkpoint is loaded into them), which a rank does only
 after its forward or backward has returned; a peer must not be reading them then. So the end of a step (``end_step``:

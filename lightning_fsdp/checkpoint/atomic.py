@@ -114,9 +114,20 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
-def _out_of_space_message(final: Path, expected_bytes: int, free: int | None = None) -> str:
+class NoSpace(str):
+    """A refusal or failure for want of space: raised as ``OSError(ENOSPC)`` (``refusal_error``), where any other
+    refusal of a destination is a ``FileExistsError``. A ``str``, so it travels between ranks as the sentence it is."""
+
+
+def refusal_error(refusal: str, whose: str = "") -> OSError:
+    """The error a refusal of a destination stands for; ``whose``: the rank it came from, when not this one."""
+    said = f"{whose}{refusal}"
+    return OSError(errno.ENOSPC, NoSpace(said)) if isinstance(refusal, NoSpace) else FileExistsError(said)
+
+
+def _out_of_space_message(final: Path, expected_bytes: int, free: int | None = None) -> NoSpace:
     free_text = f", {_megabytes(free)} free" if free is not None else ""
-    return (
+    return NoSpace(
         f"no space left on device: needed ~{_megabytes(expected_bytes)} at {final.parent}{free_text}; "
         "free some space or save somewhere else (nothing was left behind)."
     )
@@ -215,9 +226,7 @@ def remove(path: str | os.PathLike) -> None:
 
 
 def _raise_refusal(refusal: str, whose: str = "") -> None:
-    """``refusal`` as the error it stands for; ``whose``: the rank it came from, when not this one."""
-    said = f"{whose}{refusal}"
-    raise OSError(errno.ENOSPC, said) if refusal.startswith("no space") else FileExistsError(said)
+    raise refusal_error(refusal, whose)
 
 
 def write_file_atomically(
@@ -300,7 +309,7 @@ class _Verdict:
 def _verdict(failure: BaseException | None, rank: int, final: Path | str, folder_bytes: int) -> _Verdict | None:
     if failure is None:
         return None
-    if isinstance(failure, OSError) and failure.errno == errno.ENOSPC and "no space left" in str(failure.strerror):
+    if isinstance(failure, OSError) and isinstance(failure.strerror, NoSpace):
         full: str | None = failure.strerror  # ours already (a refusal, or a write we translated)
     elif not isinstance(final, Path):  # a URL: no local disk to have run full
         full = None
@@ -319,7 +328,7 @@ def _raise_agreed(verdicts: Sequence[_Verdict | None], rank: int, failure: BaseE
     full = [verdict.full for verdict in failed if verdict.full is not None]
     if full:
         mine = verdicts[rank]
-        raise OSError(errno.ENOSPC, mine.full if mine is not None and mine.full else full[0]) from failure
+        raise OSError(errno.ENOSPC, NoSpace(mine.full if mine is not None and mine.full else full[0])) from failure
     if failure is not None:
         raise failure
     first = failed[0]

@@ -21,7 +21,6 @@ Fabric calls a strategy from the user's own loop; this one answers as follows.
 
 from __future__ import annotations
 
-import errno
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
@@ -45,7 +44,7 @@ from lightning_fsdp.adapter.sharding_setup import ShardedModelSetup
 from lightning_fsdp.adapter.strategy_arguments import publish_arguments
 from lightning_fsdp.adapter.strategy_names import register_names
 from lightning_fsdp.checkpoint.async_save import BackgroundSaver
-from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_rank
+from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_rank, refusal_error
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.remote import remote_refusal
 from lightning_fsdp.engine import MixedPrecision, clip_grad_norm_, clip_grad_value_, no_sync, prepare_optimizer
@@ -328,7 +327,9 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
             refusal = remote_refusal(str(path), "full", storage_options)
         elif self.is_global_zero:
             refusal = check_destination(Path(path), "full", 0)
-        _raise_refusal(self.broadcast(refusal))
+        refusal = self.broadcast(refusal)
+        if refusal is not None:
+            raise refusal_error(refusal)
         failure = None
         try:
             save_full(path, parts, filter or {}, self.is_global_zero, storage_options)
@@ -434,11 +435,6 @@ def _refuse_stepped(optimizer: Optimizer) -> None:
             "sharding, which cannot move onto the shards; create it afresh before fabric.setup(model, optimizer), "
             "or after fabric.setup_module(model) from model.parameters()."
         )
-
-
-def _raise_refusal(refusal: str | None) -> None:
-    if refusal is not None:
-        raise OSError(errno.ENOSPC, refusal) if refusal.startswith("no space") else FileExistsError(refusal)
 
 
 publish_arguments(FabricFSDPStrategy)  # the shared arguments in the signature, for configs

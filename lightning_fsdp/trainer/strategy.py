@@ -22,7 +22,6 @@ The Trainer calls a strategy in a fixed order; this one fills the steps in as fo
 
 from __future__ import annotations
 
-import errno
 import inspect
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -54,7 +53,13 @@ from lightning_fsdp.adapter.strategy_arguments import publish_arguments
 from lightning_fsdp.adapter.strategy_names import register_names
 from lightning_fsdp.averaging.unsupported import refuse_unsharded_averaging
 from lightning_fsdp.checkpoint.async_save import BackgroundSaver
-from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_rank, remove, tensor_bytes
+from lightning_fsdp.checkpoint.atomic import (
+    check_destination,
+    raise_on_every_rank,
+    refusal_error,
+    remove,
+    tensor_bytes,
+)
 from lightning_fsdp.checkpoint.callback_tensors import (
     CALLBACK_TENSORS,
     callback_tensor_targets,
@@ -475,7 +480,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
                 refusal = check_destination(Path(filepath), "full", tensor_bytes(checkpoint))
         refusal = self.broadcast(refusal)
         if refusal is not None:
-            raise OSError(errno.ENOSPC, refusal) if refusal.startswith("no space") else FileExistsError(refusal)
+            raise refusal_error(refusal)
         options = self._storage_options(storage_options) if is_remote(filepath) else storage_options
         if self._saves_in_background():
             self._save_full_in_background(checkpoint, filepath, options)

@@ -10,9 +10,7 @@ import torch.distributed as dist
 
 from lightning_fsdp.engine.runtime.param import FSDPParam
 from lightning_fsdp.engine.runtime.whole_tensors import WholeTensors
-
-# torch 2.13 renamed the flat all-gather; older releases only have the old name.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from lightning_fsdp.engine.transport.framing import all_gather_flat
 
 
 def gather_masters(params: list[FSDPParam], wholes: list[WholeTensors] = ()) -> list[tuple[FSDPParam, torch.Tensor]]:
@@ -63,7 +61,7 @@ def _gather_rank_major(pieces: list[torch.Tensor], group: dist.ProcessGroup) -> 
     send = torch.cat(pieces)
     world_size = group.size()
     output = send.new_empty(world_size * send.numel())
-    _all_gather_flat(output, send, group=group)
+    all_gather_flat(output, send, group=group)
     return output.view(world_size, -1)
 
 

@@ -43,9 +43,6 @@ from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine.build.fingerprint import value_checksum
 
-# torch 2.13 renamed the flat all-gather; older releases only have the old name.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 @dataclass(frozen=True)
 class ShardLayout:

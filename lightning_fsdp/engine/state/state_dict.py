@@ -35,6 +35,7 @@ from lightning_fsdp.engine.runtime.masters import gather_masters
 from lightning_fsdp.engine.runtime.param import FSDPParam
 from lightning_fsdp.engine.runtime.registry import fsdp_param_of, units_under
 from lightning_fsdp.engine.runtime.unit import TrainingState
+from lightning_fsdp.engine.transport.framing import all_gather_flat
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, Tensor]:
@@ -296,7 +297,7 @@ def _gather_rows(fsdp_param: FSDPParam, local: Tensor | None, dtype: torch.dtype
     if local is not None and local.numel():
         padded[: local.numel()].copy_(fsdp_param.flat(local.detach()))
     output = padded.new_empty(layout.world_size * layout.shard_numel)
-    dist.all_gather_into_tensor(output, padded, group=fsdp_param.group)
+    all_gather_flat(output, padded, group=fsdp_param.group)
     return fsdp_param.laid_out(output[: fsdp_param.shape.numel()], fsdp_param.shape)
 
 

@@ -25,7 +25,8 @@ from lightning_fsdp.engine.diagnostics.hang_watch import wait_work
 from lightning_fsdp.engine.options import CrossHostPrecision
 from lightning_fsdp.engine.transport import packing
 from lightning_fsdp.engine.transport.base import Pending
-from lightning_fsdp.engine.transport.gloo import GlooTransport, all_gather_flat, frame_bytes
+from lightning_fsdp.engine.transport.framing import all_gather_flat, frame_bytes
+from lightning_fsdp.engine.transport.gloo import GlooTransport
 from lightning_fsdp.engine.transport.identity import Stamp
 from lightning_fsdp.engine.transport.int8 import decode_int8, encode_int8, int8_frame_bytes
 from lightning_fsdp.engine.transport.packing import RankRows

@@ -89,19 +89,11 @@ from lightning_fsdp.engine.transport.base import (
     messages_of_a_collective,
     payload,
 )
+from lightning_fsdp.engine.transport.framing import all_gather_flat, frame_bytes
 from lightning_fsdp.engine.transport.identity import DIGEST_BITS, STAMP_BYTES, Stamp
 from lightning_fsdp.engine.transport.packing import RankRows
 
-# torch 2.13 renamed the flat-tensor all-gather; older releases only have the old name.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 UNSTAMPED_TAGS = 2**20  # tags of the messages of collectives no root numbers: a counter modulo this
-
-
-def frame_bytes(data_bytes: int, stamp: Stamp | None) -> int:
-    """Bytes of one rank's frame: its data, then its stamp (see [Note: stamps in the frames])."""
-    return data_bytes + (STAMP_BYTES if stamp is not None else 0)
 
 
 class SparseRows(NamedTuple):

@@ -35,7 +35,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine.transport import packing
 from lightning_fsdp.engine.transport.base import Pending, Transport
-from lightning_fsdp.engine.transport.gloo import all_gather_flat, frame_bytes
+from lightning_fsdp.engine.transport.framing import all_gather_flat, frame_bytes
 from lightning_fsdp.engine.transport.identity import DIGEST_BITS, Stamp
 from lightning_fsdp.engine.transport.packing import RankRows
 

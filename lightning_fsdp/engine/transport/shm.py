@@ -239,7 +239,8 @@ def _map_range(fd: int, offset: int, nbytes: int) -> torch.Tensor:
     address = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, offset)
     if address in (None, _MAP_FAILED):
         raise OSError(ctypes.get_errno(), f"mmap of {nbytes} bytes of a shared-memory segment failed")
-    mapped = type("MappedBytes", (ctypes.c_char * nbytes,), {}).from_address(address)
+    # A memoryview, unlike a ctypes array, can carry the finalizer; the tensor holds it, so unmapping waits for it.
+    mapped = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
     weakref.finalize(mapped, _LIBC.munmap, address, nbytes)
     with torch.inference_mode(False):  # see _map
         return torch.frombuffer(mapped, dtype=torch.uint8)

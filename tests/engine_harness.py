@@ -81,7 +81,7 @@ class Run:
 
 def reduce_scatter_kind() -> str:
     """How a reduce-scatter between gloo ranks of one host is counted: through shared memory (the default, see
-    ``lightning_fsdp/engine/transport/shm.py``) it is one; with that switched off it is an all-to-all plus a local
+    ``lightning_fsdp/engine/transport/shm/``) it is one; with that switched off it is an all-to-all plus a local
     sum."""
     return "reduce_scatter" if shm.enabled() else "all_to_all"
 

@@ -43,7 +43,7 @@ def _transports(group: dist.ProcessGroup) -> dict[str, Transport]:
     """Every transport a CPU group can run: NCCL's data path runs on gloo without side streams (see
     ``transport/nccl.py``), and shared memory with slots of 64 bytes, so every collective below streams in chunks
     whose edges fall inside parameters, inside padding and between ranks' rows (see [Note: chunks] in
-    ``transport/shm.py``)."""
+    ``transport/shm/slots.py``)."""
     sizes = {"all_gather": 4096, "reduce_scatter": 4096}
     shared, reason = SharedMemoryTransport.create(group, sizes)
     assert shared is not None, f"ranks of one host share memory, but: {reason}"

@@ -18,12 +18,12 @@ from lightning_fsdp import fully_shard, summon_full_params
 from lightning_fsdp.demos.gpt import GPT, Block, GPTConfig
 from lightning_fsdp.engine.diagnostics.comm_stats import CollectiveCounter
 from lightning_fsdp.engine.runtime.registry import units_under
-from lightning_fsdp.engine.transport import CHUNK_SWITCH, Pending, chunk_limit, packing, peer_wait, shm
+from lightning_fsdp.engine.transport import CHUNK_SWITCH, Pending, chunk_limit, packing, shm
 from lightning_fsdp.engine.transport.gloo import GlooTransport
 from lightning_fsdp.engine.transport.identity import CollectiveMismatchError, Ledger
 from lightning_fsdp.engine.transport.packing import RankRows
-from lightning_fsdp.engine.transport.peer_wait import PeerExitedError
-from lightning_fsdp.engine.transport.shm import SLOTS, SharedMemoryTransport
+from lightning_fsdp.engine.transport.shm import SLOTS, SharedMemoryTransport, homes, peer_wait, segment
+from lightning_fsdp.engine.transport.shm.peer_wait import PeerExitedError
 from tests.distributed import run_distributed
 
 
@@ -150,7 +150,7 @@ def _check_every_rank_agrees_to_fall_back(rank: int, world_size: int) -> None:
     assert _open_segment_descriptors() == [], "every rank closed the segment it had reserved"
     assert _mapped_segments() == set(), "and maps none"
     if rank == 1:  # as if rank 1 were in another pid namespace (container): it cannot see the others' tokens
-        shm._peer = lambda path, nbytes, token: None
+        segment.peer_segment = lambda path, nbytes, token: None
     transport, reason = SharedMemoryTransport.create(dist.group.WORLD, SIZES)
     assert transport is None and "cannot map the others' memory" in reason
 
@@ -179,7 +179,7 @@ def _check_a_large_root_streams_in_chunks(rank: int, world_size: int, stalled: b
     """A language model's root holds its embedding and untied head (4093 rows each: padded shards) and chunks are
     bounded below a block's reduction: every collective still goes through shared memory, the larger ones in
     chunks, the segment stays five slots of the bound, and training equals the unsharded model's (see [Note:
-    chunks] in ``transport/shm.py``).
+    chunks] in ``transport/shm/slots.py``).
     ``stalled``: rank 1 is slow at every chunk it packs, so the others wait for its chunks and for its reads.
     Without ``shared_memory`` the same over gloo, whose large reductions go in chunks too (see [Note: chunks over
     gloo] in ``transport/gloo.py``) and whose gathers need no buffer at all (see [Note: gathers point to point])."""
@@ -276,8 +276,8 @@ def _check_shards_live_at_home(rank: int, world_size: int) -> None:
     train_step()
     transport = units_under(model)[0].transport()
     assert isinstance(transport, SharedMemoryTransport)
-    for unit, homes in zip(units_under(model), transport.home_shards, strict=True):
-        for fsdp_param, home in zip(unit.params, homes, strict=True):
+    for unit, unit_homes in zip(units_under(model), transport.home_shards, strict=True):
+        for fsdp_param, home in zip(unit.params, unit_homes, strict=True):
             name = fsdp_param.fqn
             assert fsdp_param.sharded.data_ptr() == home.data_ptr(), f"{name} lives in this rank's segment"
             padded = fsdp_param.layout.shard_numel * 4
@@ -327,16 +327,16 @@ def _check_homes_are_given_up_together(rank: int, world_size: int) -> None:
     same shared memory, with the unsharded model's results."""
     config = GPTConfig(vocab_size=61, block_size=8, n_layer=2, n_head=2, n_embd=8)
     tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=torch.Generator().manual_seed(1))
-    real_map, real_most = shm._map_range, shm.MAX_HOMED_SHARDS
+    real_map, real_most = segment.map_range, homes.MAX_HOMED_SHARDS
 
     def refused(fd: int, offset: int, nbytes: int) -> torch.Tensor:
         raise OSError(errno.ENOMEM, "the kernel's limit on mappings")
 
     for why in ("one rank refused", "too many shards"):
         if why == "one rank refused" and rank == 1:
-            shm._map_range = refused
+            segment.map_range = refused
         if why == "too many shards":
-            shm.MAX_HOMED_SHARDS = 3
+            homes.MAX_HOMED_SHARDS = 3
         try:
             torch.manual_seed(0)
             reference = GPT(config)
@@ -345,7 +345,7 @@ def _check_homes_are_given_up_together(rank: int, world_size: int) -> None:
             for m in (reference, model):
                 m(tokens[:, :-1], tokens[:, 1:]).backward()
         finally:
-            shm._map_range, shm.MAX_HOMED_SHARDS = real_map, real_most
+            segment.map_range, homes.MAX_HOMED_SHARDS = real_map, real_most
         transport = units_under(model)[0].transport()
         assert isinstance(transport, SharedMemoryTransport), why
         assert transport.home_shards == [] and transport.homes.shards == (), why
@@ -391,13 +391,13 @@ def _die_during_first_forward(rank: int, world_size: int, pid_dir: str) -> None:
     torch.manual_seed(0)
     model = fully_shard(GPT(config), {Block})
     if rank == 1:  # killed after reserving its segment, before any other rank could map it
-        real_peer = shm._peer
+        real_peer = segment.peer_segment
 
         def killed_while_mapping(path: str, nbytes: int, token: bytes) -> torch.Tensor | None:
             os.kill(os.getpid(), signal.SIGKILL)
             return real_peer(path, nbytes, token)
 
-        shm._peer = killed_while_mapping
+        segment.peer_segment = killed_while_mapping
     tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1))
     model(tokens[:, :-1], tokens[:, 1:])
 

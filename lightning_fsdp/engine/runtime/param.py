@@ -221,7 +221,7 @@ class FSDPParam:
     def move_shard_to(self, home: torch.Tensor) -> None:
         """Keep the padded shard in ``home`` (1-D, its numel and dtype) from now on: the registered shard becomes a
         view of it (the same Parameter, so the optimizer's hold on it and its state stay), and the optimizer steps it
-        there. See [Note: shards that live in shared memory] in ``transport/shm.py``."""
+        there. See [Note: shards that live in shared memory] in ``transport/shm/homes.py``."""
         with torch.no_grad():
             home.copy_(self.padded_shard)
         self.point_shard_at(home)

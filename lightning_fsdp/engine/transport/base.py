@@ -4,7 +4,7 @@
 [Note: one transport per group] A root chooses, at its lazy init and on every rank alike, one transport for each
 process group its units use (``choose_transport``) and logs once which one and why no faster one was available:
 
-- ``SharedMemoryTransport`` (``shm.py``): CPU ranks of one host; the data goes through shared memory and gloo only
+- ``SharedMemoryTransport`` (``shm/``): CPU ranks of one host; the data goes through shared memory and gloo only
   synchronises. The fastest on one host.
 - ``GlooTransport`` (``gloo.py``): CPU ranks anywhere (between hosts, or with shared memory switched off).
 - ``NcclTransport`` (``nccl.py``): CUDA ranks; its own all-gather and reduce-scatter streams, ordered by events.
@@ -51,7 +51,7 @@ PIPELINE = 2  # chunks of one collective in flight at once: one packed while the
 
 def chunk_limit(default_mib: float = DEFAULT_CHUNK_MIB) -> int:
     """The most bytes a collective moves in one piece, in bytes (``LIGHTNING_FSDP_CHUNK_MIB``, else ``default_mib``):
-    a shared-memory slot (see [Note: chunks] in ``shm.py``), the largest buffer of a chunk over gloo (see [Note:
+    a shared-memory slot (see [Note: chunks] in ``transport/shm/slots.py``), the largest buffer of a chunk over gloo (see [Note:
     chunks over gloo] in ``gloo.py``). A larger collective streams through in chunks, so a transport's memory does
     not grow with the largest unit."""
     text = os.environ.get(CHUNK_SWITCH, "")
@@ -195,7 +195,7 @@ class Transport(ABC):
     def home_for_shards(self, numels: list[int], dtype: torch.dtype) -> list[torch.Tensor] | None:
         """Memory for a unit to keep its shards of ``numels`` elements in (one tensor a shard), so that gathering them
         packs nothing; None where the transport has none (see [Note: shards that live in shared memory] in
-        ``shm.py``)."""
+        ``shm/homes.py``)."""
         return None
 
     # ----- the interface ------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def nonzero_rows(rows: torch.Tensor) -> torch.Tensor:
 def pack(tensors: list[torch.Tensor], out: torch.Tensor, start: int = 0) -> None:
     """Concatenate 1-D ``tensors`` into the 1-D ``out`` (a unit's shards, or its replicated gradients), casting to
     ``out``'s dtype; from element ``start`` of the concatenation on, as many as ``out`` holds (one chunk of a
-    collective streamed through a bounded slot: see [Note: chunks] in ``transport/shm.py``)."""
+    collective streamed through a bounded slot: see [Note: chunks] in ``transport/shm/slots.py``)."""
     if start or out.numel() != sum(t.numel() for t in tensors):
         parts = window([t.numel() for t in tensors], start, start + out.numel())
         tensors = [tensors[index][lo:hi] for index, lo, hi, _ in parts]
@@ -76,7 +76,7 @@ def window(sizes: list[int], start: int, stop: int) -> list[tuple[int, int, int,
 def pack_rows(grads: list[RankRows], out: torch.Tensor, start: int = 0) -> None:
     """Lay ``grads`` side by side into ``out`` (world_size, columns; any row stride), zero-padded, casting to
     ``out``'s dtype: row r of ``out`` is what rank r receives. ``start``: the first column of the side-by-side
-    layout that ``out`` holds (a chunk; see [Note: chunks] in ``transport/shm.py``)."""
+    layout that ``out`` holds (a chunk; see [Note: chunks] in ``transport/shm/slots.py``)."""
     world_size = out.size(0)
     whole = start == 0 and out.size(1) == sum(grad.columns for grad in grads)
     if whole and all(grad.flat.numel() == world_size * grad.columns for grad in grads):  # one fused copy

@@ -44,7 +44,7 @@ def choose_transport(
     ``send_bytes``: the largest send buffer of each collective kind the units will issue over ``group`` (what the
     shared-memory slots must hold). ``cross_host_precision``: what crosses between hosts in fewer bits.
     ``shard_homes``: the bytes of each shard of each unit, for shared memory to keep (see [Note: shards that live in
-    shared memory] in ``shm.py``).
+    shared memory] in ``transport/shm/homes.py``).
     """
     if group is None or group.size() == 1:
         return SingleRank(None)

@@ -1,4 +1,4 @@
-"""The data of a unit's collectives through shared memory, between the CPU ranks of one host, with no message.
+"""``SharedMemoryTransport``: the collectives of one process group's ranks on one host, through their segments.
 
 [Note: why shared memory on CPU] Over gloo, ranks on one host talk through loopback TCP: every byte is copied into
 the kernel and out again on the CPU cores the ranks compute on. Measured on the 2-core benchmark machine, an
@@ -12,82 +12,19 @@ and sums row ``rank`` of every other segment with its own row, read from the gra
 own row stays in the gradient] in ``packing.py``). This is what DeepSpeed's shared-memory all-reduce does for
 CPU ranks; NCCL does it on one node too.
 
-[Note: slots] Each rank's segment is cut into slots, one per collective in flight, in two sets sized by what each
-collective sends (``SLOTS``): all-gathers send a unit's shard, reductions (reduce-scatters: W shards of gradients;
-all-reduces: the whole gradient) much more. A collective takes the free slot of its set that has been free the
-longest: every rank issues and finishes the engine's collectives in the same order, so every rank takes the same
-slot, which is how readers know where to look. Every use of a slot has a sequence number, the same on every rank. A
-rank publishes its data by writing that number into the slot's header after the data; readers wait until every
-rank's header shows it (see [Note: counters instead of barriers] in ``peer_wait.py``). A slot is free again once
-this rank has read the data of its collective (``release``, which writes the number into the header's read counter),
-and is written again only after every other rank's read counter says it has read it too. Taking the longest-free
-slot rather than the lowest gives the slowest reader time: reusing the slot just released made every rank wait for
-it, ~10 ms a step of the benchmark model. A collective larger than a slot streams through the slots in chunks (see
-[Note: chunks]); only when every slot of its set is taken does it run over gloo instead (every rank sees the same busy
-slots, so all of them do): a training step keeps at most two gathers and two reductions in flight.
-
-[Note: chunks] A slot holds at most ``LIGHTNING_FSDP_CHUNK_MIB`` MiB (``SHARED_MEMORY_CHUNK_MIB``; less where no unit
-sends as much), so the segment's size is fixed whatever the model: a language model's root (its embedding and head,
-the largest tensors of the model) no longer sizes it, nor leaves shared memory for gloo. A larger collective is cut
-into chunks of a slot each (all-gather and all-reduce: elements of the packed buffer; reduce-scatter: columns of the
-(world_size, columns) gradient rows, so each chunk still holds every rank's part) and each chunk is one use of a slot
-like any other: stamped, published, awaited with the same timeout and dead-peer detection, released. Chunks are
-pipelined over two slots where two are free: a rank packs chunk k + 1 while its peers read chunk k. The chunks run
-when the collective is issued, except the last, which its ``wait`` reads: a chunked collective holds at most one slot
-between calls, so it never takes the slots of the gathers prefetched after it. What a chunk's readers copy out goes
-into buffers of the transport's pool (an all-gather's result: world_size blocks) or straight into the result (a
-reduction's sum), so a chunked reduction copies no more than one in a single slot, and a chunked all-gather one copy
-more (slot to result) than the views of a single slot.
-
 A rank waiting on another notices within a second when that rank has exited, and gives up after the process group's
 timeout: a dead rank never leaves the others hanging. Each slot starts with a header holding the identity of the
 collective written there (see [Note: collective identity] in ``identity.py``): a rank that entered another collective
 is named at once instead of read.
 Set ``LIGHTNING_FSDP_SHARED_MEMORY=0`` to keep everything on gloo.
-
-[Note: shards that live in shared memory] A gather through a slot copies this rank's shards into it first, and its
-chunks are read while the gather is issued, so the issuing rank waits there for the others. But a unit's shards are
-the same bytes every time, so each unit that gathers through this transport keeps them in a *home* of its own in
-this rank's segment (``home_for_shards``): the parameters' shards become tensors whose memory is there, and the
-optimizer steps them there. A gather of a unit whose shards are at home packs nothing and publishes at once, and its
-``wait`` copies every rank's shards into the unsharded buffers. Homes are laid out after the slots in the order the
-units claim them (the same on every rank, so every rank finds a peer's shard at its own shard's offset): a header
-per home (the stamp, a counter that says which gather has published it and one that says which this rank has read),
-then each shard from a page boundary of its own, which this rank maps once more, alone (``_map_range``): a shard's
-storage is its own bytes, not the segment, so copying one (``copy.deepcopy``, DCP's staging) copies that shard only.
-A model of more than ``MAX_HOMED_SHARDS`` shards, or a rank the kernel refuses a mapping (``vm.max_map_count``), gets
-no homes, on every rank alike: its gathers pack into the slots as before.
-
-A home's bytes change when the optimizer steps them (or a checkpoint is loaded into them), which a rank does only
-after its forward or backward has returned; a peer must not be reading them then. So the end of a step (``end_step``:
-after a backward, or a forward without one) waits until every peer has read every gather this rank's homes
-published. After a backward that wait costs nothing: a peer reads a unit's gather before its backward of the unit,
-so before its reduction of it, which this rank has waited for. A gather whose shards are not at home (a cast to
-another dtype, host rows of ``hierarchical.py``) goes through the slots as before.
-
-[Note: segment lifetime] A segment is an anonymous memory file (``memfd_create``), never a file in ``/dev/shm``:
-other ranks open it through ``/proc/<pid>/fd/<fd>`` of its creator, and the creator closes that descriptor as soon
-as every rank has mapped it. The memory then lives exactly as long as the processes that map it, and a rank killed
-at any moment -- before the others mapped its segment included -- leaves nothing behind for anyone to clean up. It
-is allocated in full when it is created (``SLOTS``: three gather slots and two reduction slots, each of at most
-``LIGHTNING_FSDP_CHUNK_MIB``, see [Note: chunks]), so running out of memory is a refusal at creation (every rank
-falls back to gloo), not a SIGBUS mid-training. A run gives it back before the process ends: at the run's teardown
-the units' shards move out of their homes into memory of their own and the transport unmaps everything (``close``),
-so a sweep of many fits in one process holds no segment between fits (see [Note: what a run gives back] in
-``engine/state/release.py``). A view of a home kept past that (a tensor of a sharded state dict) keeps its mapping, and
-with it the whole segment's memory, until it is dropped.
 """
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import uuid
-import weakref
 from collections import deque
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -95,194 +32,23 @@ from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine.diagnostics.hang_watch import Waiting, place_of
 from lightning_fsdp.engine.transport import packing
-from lightning_fsdp.engine.transport.base import (
-    PIPELINE,
-    SHARED_MEMORY_CHUNK_MIB,
-    Pending,
-    Transport,
-    announce,
-    chunk_limit,
-    payload,
-)
+from lightning_fsdp.engine.transport.base import PIPELINE, Pending, Transport, announce, payload
 from lightning_fsdp.engine.transport.gloo import GlooTransport
 from lightning_fsdp.engine.transport.identity import STAMP_NUMEL, CollectiveMismatchError, Stamp
 from lightning_fsdp.engine.transport.packing import RankRows
-from lightning_fsdp.engine.transport.peer_wait import ORDERED_STORES, int64_words, wait_until
-
-ENV_SWITCH = "LIGHTNING_FSDP_SHARED_MEMORY"
-SEGMENT_NAME = "lightning_fsdp"  # how the segments show in /proc/<pid>/maps: "/memfd:lightning_fsdp-<pid> (deleted)"
-SLOTS = {"all_gather": 3, "reduce": 2}  # slots per set: a gather in use, two prefetched; a reduction behind another
-
-
-def slot_bytes(send_bytes: dict[str, int], world_size: int) -> dict[str, int]:
-    """The data each set's slots hold: the largest send buffer of each collective kind, at most
-    ``chunk_limit(SHARED_MEMORY_CHUNK_MIB)`` (see [Note: chunks]), and at least one column of a reduce-scatter in the
-    widest dtype."""
-    reduce = max(send_bytes.get("reduce_scatter", 0), send_bytes.get("all_reduce", 0))
-    limit = max(chunk_limit(SHARED_MEMORY_CHUNK_MIB), world_size * 8)
-    return {"all_gather": _aligned(min(send_bytes.get("all_gather", 0), limit)), "reduce": _aligned(min(reduce, limit))}
-
-
-_ALIGN = 64  # bytes: keeps every slot aligned for vectorised copies of any dtype
-HEADER_BYTES = _ALIGN  # int64 words: the collective's identity (see [Note: collective identity] in identity.py), then
-PUBLISHED = STAMP_NUMEL  # the use of the slot whose data this rank has written,
-READ = STAMP_NUMEL + 1  # and the use of the slot whose data this rank has read from every rank
-# Each segment starts with one more header, the rank's: the sequence number of the last collective it published in
-# any slot, and that collective's stamp (see [Note: a rank in another collective]).
-LATEST = 0
-LATEST_STAMP = 1
-DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo, when a group does not say its own
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
-
-
-def _reserve(nbytes: int) -> int | None:
-    """A new anonymous memory file with all its memory allocated now (its descriptor); None if that fails.
-
-    A sparse file would take its pages only as collectives first write them: running out of memory then kills the
-    process with SIGBUS in the middle of training. Allocating up front turns that into a refusal here, on the rank
-    that ran out, before any rank depends on the transport. See [Note: segment lifetime].
-    """
-    memfd_create = getattr(os, "memfd_create", None)
-    if memfd_create is None:  # not Linux
-        return None
-    try:
-        fd = memfd_create(f"{SEGMENT_NAME}-{os.getpid()}", os.MFD_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _map(path: str, nbytes: int) -> torch.Tensor:
-    """The memory file at ``path`` (``/proc/<pid>/fd/<fd>``) mapped shared: writes are seen by every mapper.
-
-    Never an inference tensor, though the first forward may run under Lightning's ``inference_mode`` (validation):
-    training writes into these slots outside it, where an inference tensor accepts in-place writes only under
-    ``no_grad``.
-    """
-    with torch.inference_mode(False):
-        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-
-
-def _peer(path: str, nbytes: int, token: bytes) -> torch.Tensor | None:
-    """Another rank's segment, if this rank sees the very memory that rank wrote its token to."""
-    try:
-        segment = _map(path, nbytes)
-    except RuntimeError:  # another host, or another pid namespace: no such process here, or no access to it
-        return None
-    return segment if bytes(segment[: len(token)].tolist()) == token else None
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-class SlotSet:
-    """``count`` slots of ``slot_bytes`` (each after a header) starting at byte ``offset`` of every segment.
-
-    ``acquire`` and ``release`` are this rank's bookkeeping; see [Note: slots] for why every rank agrees on it.
-    ``last_use[slot]`` is the sequence number of the slot's latest use (0: never used).
-    """
-
-    def __init__(self, offset: int, count: int, slot_bytes: int) -> None:
-        self.offset = offset
-        self.count = count
-        self.slot_bytes = slot_bytes  # the data a slot holds, after its header
-        self.stride = HEADER_BYTES + slot_bytes
-        self._free = deque(range(count))  # free slots, the longest free first
-        self.last_use = [0] * count
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * self.stride
-
-    def has_free(self) -> bool:
-        """Whether the next collective gets a slot (else it runs over gloo)."""
-        return bool(self._free)
-
-    def acquire(self, nbytes: int) -> int | None:
-        """The slot for the next collective (or chunk), or None: it does not fit, or every slot is in flight."""
-        if nbytes > self.slot_bytes or not self._free:
-            return None
-        return self._free.popleft()
-
-    def release(self, slot: int) -> None:
-        """This rank has read what it needed from every rank's ``slot``; the slot is written again after all have."""
-        self._free.append(slot)
-
-    def start(self, slot: int) -> int:
-        """Byte offset of ``slot``'s header in a segment."""
-        return self.offset + slot * self.stride
-
-
-_PAGE = mmap.PAGESIZE
-MAX_HOMED_SHARDS = 8192  # mappings a rank makes for homes at most, far below the kernel's default limit of 65530
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.mmap.restype = ctypes.c_void_p
-_LIBC.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-_LIBC.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def _map_range(fd: int, offset: int, nbytes: int) -> torch.Tensor:
-    """Bytes ``[offset, offset + nbytes)`` of the memory file ``fd`` (page-aligned ``offset``), mapped shared as a
-    uint8 tensor whose storage is exactly those bytes, unmapped once nothing holds it. Python's own ``mmap`` would
-    keep a duplicate of ``fd`` open for as long (see [Note: segment lifetime]), ``torch.from_file`` maps a file
-    from its start only."""
-    address = _LIBC.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, offset)
-    if address in (None, _MAP_FAILED):
-        raise OSError(ctypes.get_errno(), f"mmap of {nbytes} bytes of a shared-memory segment failed")
-    # A memoryview, unlike a ctypes array, can carry the finalizer; the tensor holds it, so unmapping waits for it.
-    mapped = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
-    weakref.finalize(mapped, _LIBC.munmap, address, nbytes)
-    with torch.inference_mode(False):  # see _map
-        return torch.frombuffer(mapped, dtype=torch.uint8)
-
-
-def _map_homes(fd: int, homes: Homes) -> list[list[torch.Tensor]] | None:
-    """Every shard of ``homes`` mapped as a storage of its own; None where the kernel refused a mapping (its limit on
-    a process's mappings, ``vm.max_map_count``)."""
-    try:
-        return [
-            [_map_range(fd, offset, size) for offset, size in zip(offsets, sizes, strict=True)]
-            for offsets, sizes in zip(homes.offsets, homes.shards, strict=True)
-        ]
-    except OSError:
-        return None
-
-
-class Homes:
-    """The homes of the units' shards (see [Note: shards that live in shared memory]) in every segment: after byte
-    ``offset``, a header per home, then every shard's bytes from a page boundary of its own (so that this rank maps
-    each shard as a storage of its own: a copy of one -- ``copy.deepcopy``, DCP's staging -- copies that shard only).
-    ``shards[i]``: the bytes of home i's shards; ``last_use[i]``: the sequence number of home i's latest gather (0:
-    none yet)."""
-
-    def __init__(self, offset: int, shards: tuple[tuple[int, ...], ...]) -> None:
-        self.shards = shards
-        self.starts = [offset + home * HEADER_BYTES for home in range(len(shards))]
-        offset += len(shards) * HEADER_BYTES
-        self.offsets: list[list[int]] = []  # where each shard's bytes begin
-        for sizes in shards:
-            self.offsets.append([])
-            for size in sizes:
-                offset = -(-offset // _PAGE) * _PAGE
-                self.offsets[-1].append(offset)
-                offset += size
-        self.end = offset
-        self.last_use = [0] * len(shards)
-        self.claimed = 0  # homes handed out so far, in order
-
-    def start(self, home: int) -> int:
-        """Byte offset of ``home``'s header in a segment."""
-        return self.starts[home]
+from lightning_fsdp.engine.transport.shm import segment
+from lightning_fsdp.engine.transport.shm.homes import Homes, map_homes, too_many
+from lightning_fsdp.engine.transport.shm.peer_wait import ORDERED_STORES, int64_words, wait_until
+from lightning_fsdp.engine.transport.shm.slots import (
+    HEADER_BYTES,
+    LATEST,
+    LATEST_STAMP,
+    PUBLISHED,
+    READ,
+    SLOTS,
+    SlotSet,
+    slot_bytes,
+)
 
 
 class SharedMemoryTransport(Transport):
@@ -306,9 +72,9 @@ class SharedMemoryTransport(Transport):
     ) -> None:
         super().__init__(group)
         self.segments = segments  # uint8, one per rank of the group, in group rank order (this rank's own too)
-        self.words = [int64_words(segment) for segment in segments]
+        self.words = [int64_words(mapped) for mapped in segments]
         self.peers = {rank: pid for rank, pid in enumerate(pids) if rank != self.rank}  # who a wait may wait on
-        self.timeout_s = timeout_of(group).total_seconds()
+        self.timeout_s = segment.timeout_of(group).total_seconds()
         self.sequence = 0  # uses of any slot so far: the same on every rank
         self.slots: dict[str, SlotSet] = {}
         offset = HEADER_BYTES  # after the rank's header
@@ -384,26 +150,26 @@ class SharedMemoryTransport(Transport):
             return None, f"shared memory needs a gloo group, not {dist.get_backend(group)}"
         if not ORDERED_STORES:  # every rank runs on the same machine type, or none shares memory with another
             return None, "shared memory needs x86-64's store ordering (see [Note: counters instead of barriers])"
-        if sum(len(sizes) for sizes in shard_homes) > MAX_HOMED_SHARDS:  # the same on every rank
+        if too_many(shard_homes):  # the same on every rank
             shard_homes = ()
         wanted = SharedMemoryTransport.segment_bytes(send_bytes, group.size(), shard_homes)
         token = uuid.uuid4().bytes
-        fd = _reserve(wanted) if enabled() else None
+        fd = segment.reserve(wanted) if segment.enabled() else None
         try:
             offers: list[tuple[str, bytes, bool] | None] = [None] * group.size()
             dist.all_gather_object(offers, (f"/proc/{os.getpid()}/fd/{fd}", token, fd is not None), group=group)
             if not all(ok for _, _, ok in offers):
                 return None, (
-                    f"shared memory is switched off ({ENV_SWITCH}=0) or has no room for a {wanted}-byte segment "
-                    "on some rank"
+                    f"shared memory is switched off ({segment.ENV_SWITCH}=0) or has no room for a {wanted}-byte "
+                    "segment on some rank"
                 )
-            mine = _map(f"/proc/self/fd/{fd}", wanted)
+            mine = segment.map_file(f"/proc/self/fd/{fd}", wanted)
             mine[: len(token)] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
-            home_shards = _map_homes(fd, SharedMemoryTransport.homes_of(send_bytes, group.size(), shard_homes))
+            home_shards = map_homes(fd, SharedMemoryTransport.homes_of(send_bytes, group.size(), shard_homes))
             dist.barrier(group=group)  # every segment holds its token before anyone maps it
             segments = [
-                mine if rank == group.rank() else _peer(path, wanted, expected)
-                for rank, (path, expected, _) in enumerate(offers)
+                mine if rank == group.rank() else segment.peer_segment(path, wanted, token_of_peer)
+                for rank, (path, token_of_peer, _) in enumerate(offers)
             ]
             agreed: list[tuple[bool, bool] | None] = [None] * group.size()
             mapped = (all(s is not None for s in segments), home_shards is not None)
@@ -857,11 +623,3 @@ class SharedMemoryTransport(Transport):
         while len(in_flight) > 1:
             read_oldest()
         return read_oldest
-
-
-def timeout_of(group: ProcessGroup) -> timedelta:
-    """The timeout ``group`` was created with (what its gloo collectives wait at most), read from its gloo backend."""
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):  # a torch that keeps it elsewhere
-        return DEFAULT_TIMEOUT

@@ -5,7 +5,7 @@ publish a collective's data, one to say every rank had read it. A gloo barrier i
 handled by a gloo thread, and on a machine whose cores all compute (2 ranks on 2 cores) that thread waits for a time
 slice: measured on the benchmark model, ranks spent 50-150 ms of a ~2.2 s step in those waits and 14 ms issuing
 them. Each rank now writes, in its own segment, a counter per slot saying which use of the slot it has published
-and one saying which it has read (``shm.py``); a rank waiting on the others reads their counters, which costs
+and one saying which it has read (``transport.py``); a rank waiting on the others reads their counters, which costs
 nothing to the rank being waited on and is seen at once.
 
 A counter is a plain aligned 8-byte store written after the data it announces. On x86-64 stores become visible to

@@ -201,8 +201,9 @@ class RootContext:
         (a collective over the group: this runs at the root's first forward, on every rank alike).
 
         Every unit counts, the root too: the shared-memory transport bounds its slots itself and streams a larger
-        collective through them in chunks (see [Note: chunks] in ``transport/shm/slots.py``), so a language model's root --
-        its embedding and head, often the largest unit by far -- neither sizes the segment nor leaves shared memory.
+        collective through them in chunks (see [Note: chunks] in ``transport/shm/slots.py``), so a language model's
+        root -- its embedding and head, often the largest unit by far -- neither sizes the segment nor leaves shared
+        memory.
         """
         root = self.root
         needs: dict[int, dict[str, int]] = {}

@@ -243,7 +243,8 @@ class FSDPUnit:
 
     def shard_home_bytes(self) -> tuple[int, ...]:
         """The bytes of each of this unit's padded shards where a transport may keep them (see [Note: shards that
-        live in shared memory] in ``transport/shm/homes.py``): on the CPU and gathered in their own dtype; () otherwise."""
+        live in shared memory] in ``transport/shm/homes.py``): on the CPU and gathered in their own dtype; ()
+        otherwise."""
         if self.is_whole or not self.params or self.world_size < 2:
             return ()
         dtype = self.params[0].sharded.dtype
@@ -388,9 +389,9 @@ class FSDPUnit:
         """Stage 5: reshard, launch the gradient reduction (unless sync is off), and say so.
 
         Resharding first gives the full parameters back before the reduction packs (and, for a unit larger than a
-        shared-memory slot, mostly runs: see [Note: chunks] in ``transport/shm/slots.py``): the gradients are tensors of their
-        own, so a rank never holds a unit's full parameters, its full gradients and its reduced rows at once. For a
-        language model's root (embedding and head) that is the peak of the step, measured on the benchmark model.
+        shared-memory slot, mostly runs: see [Note: chunks] in ``transport/shm/slots.py``): the gradients are tensors
+        of their own, so a rank never holds a unit's full parameters, its full gradients and its reduced rows at once.
+        For a language model's root (embedding and head) that is the peak of the step.
         """
         self._expect("finish its backward", TrainingState.IDLE, TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
         if not self.in_forward:  # see [Note: backward inside a forward] in hooks.py

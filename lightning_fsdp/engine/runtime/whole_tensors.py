@@ -94,7 +94,8 @@ class WholeTensors:
 
     def move_to(self, home: torch.Tensor) -> None:
         """Keep this rank's segment in ``home`` (1-D, its numel and dtype) from now on; the parameters' shards become
-        views of it (the same Parameters). See [Note: shards that live in shared memory] in ``transport/shm/homes.py``."""
+        views of it (the same Parameters). See [Note: shards that live in shared memory] in
+        ``transport/shm/homes.py``."""
         with torch.no_grad():
             home.copy_(self.padded_shard)
         self._segment = home

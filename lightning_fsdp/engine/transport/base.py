@@ -51,9 +51,9 @@ PIPELINE = 2  # chunks of one collective in flight at once: one packed while the
 
 def chunk_limit(default_mib: float = DEFAULT_CHUNK_MIB) -> int:
     """The most bytes a collective moves in one piece, in bytes (``LIGHTNING_FSDP_CHUNK_MIB``, else ``default_mib``):
-    a shared-memory slot (see [Note: chunks] in ``transport/shm/slots.py``), the largest buffer of a chunk over gloo (see [Note:
-    chunks over gloo] in ``gloo.py``). A larger collective streams through in chunks, so a transport's memory does
-    not grow with the largest unit."""
+    a shared-memory slot (see [Note: chunks] in ``shm/slots.py``), the largest buffer of a chunk over gloo (see
+    [Note: chunks over gloo] in ``gloo.py``). A larger collective streams through in chunks, so a transport's memory
+    does not grow with the largest unit."""
     text = os.environ.get(CHUNK_SWITCH, "")
     try:
         mib = float(text) if text else default_mib

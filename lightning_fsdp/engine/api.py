@@ -79,7 +79,7 @@ def fully_shard(
         backward_prefetch: gather the unit backward reaches next when the current one's backward starts
             (``"BACKWARD_PRE"``) or ends (``"BACKWARD_POST"``); None to gather on demand.
         forward_prefetch: gather the next unit of the forward order (recorded in the first step) ahead of time. None:
-            when the unit's gathers cross hosts (see [Note: the link's queue] in ``hooks.py``); on one host it
+            when the unit's gathers cross hosts (see [Note: the link's queue] in ``root.py``); on one host it
             measured no gain.
         limit_all_gathers: allow at most two units to be gathered ahead of their use.
         mixed_precision: dtypes for the gathered parameters, the gradient reduction and the buffers; the shards

@@ -42,7 +42,8 @@ from lightning_fsdp.engine.transport.identity import Stamp
 from lightning_fsdp.engine.transport.packing import RankRows
 
 # Gradients of at least this many bytes that arrive while other units' backward is still to run are reduced at
-# once, in a collective of their own: see [Note: gradients that arrive long before their unit's backward ends].
+# once, in a collective of their own: see [Note: gradients that arrive long before their unit's backward ends] in
+# root.py.
 EARLY_REDUCTION_MIN_BYTES = 1 << 20
 
 

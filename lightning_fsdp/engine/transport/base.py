@@ -153,7 +153,7 @@ class Transport(ABC):
     # hosts (``hierarchical.py``); None otherwise. Only such a transport can keep a unit resharded to the host.
     ranks_per_host: int | None = None
     # Whether some of its collectives' bytes cross a link between hosts: then waits are long and the units keep
-    # more gathers and reductions in flight (see [Note: the link's queue] in hooks.py).
+    # more gathers and reductions in flight (see [Note: the link's queue] in runtime/root.py).
     crosses_hosts = False
     # Whether it gathers single rows of a parameter (``gather_rows``): see [Note: an embedding's rows as they are
     # looked up] in ``embedding_rows.py``.

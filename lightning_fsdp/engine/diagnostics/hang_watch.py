@@ -54,7 +54,7 @@ from lightning_fsdp.engine.transport.identity import CollectiveMismatchError, St
 POST_AFTER_S = 1.0
 CHECK_EVERY_S = 0.5
 POLL_S = 0.2
-_PREFIX = "lightning_fsdp/whereabouts/"
+_PREFIX = "lightning_fsdp/hang_watch/"
 _POLL_EXPIRED = "Operation timed out!"  # c10d's Work.wait(timeout) when the timeout passes, the work still in flight
 
 
@@ -116,7 +116,7 @@ class Waiting:
         self.next_check = self.started + POST_AFTER_S
 
     def tick(self) -> None:
-        """Called between reads by a long wait: raises a pending interrupt when due, the peers' whereabouts too."""
+        """Called between reads by a long wait: raises a pending interrupt when due, where the peers wait too."""
         now = time.monotonic()
         raise_if_interrupted(now - self.started)
         if self.store is None or now < self.next_check:
@@ -266,7 +266,7 @@ class MainThreadWatch(threading.Thread):
     runs from ``watch_main_thread`` until ``stop`` (the run's teardown) or until its owner is garbage-collected."""
 
     def __init__(self, owner: object) -> None:
-        super().__init__(name="lightning_fsdp-whereabouts", daemon=True)
+        super().__init__(name="lightning_fsdp-hang-watch", daemon=True)
         self.main = threading.main_thread().ident
         self._stopping = threading.Event()
         self._owner_gone = weakref.finalize(owner, self.stop)

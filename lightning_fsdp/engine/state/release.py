@@ -11,7 +11,7 @@ memory of their own (the same Parameter objects, their ``.data`` swapped, so opt
 every transport is closed (its mappings dropped, its buffers freed), and the units are idle and unclaimed, so the
 model's next forward sets up again (choosing its transports is a collective on every rank, as the first time). The
 strategies call it at their teardown, at the end of ``fit`` and of every other stage however it ended (an exception, a
-signal, ``KeyboardInterrupt``), and stop the thread they started (``whereabouts.MainThreadWatch``); the process group
+signal, ``KeyboardInterrupt``), and stop the thread they started (``hang_watch.MainThreadWatch``); the process group
 stays for the next run, as Lightning leaves it after DDP.
 """
 

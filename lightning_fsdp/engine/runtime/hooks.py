@@ -72,14 +72,6 @@ is a handful of cheap checks per step, at the root only: the root is what code o
 and a hook on every submodule of every unit would tax each forward. A call into a non-root unit's submodule is not
 guarded. ``fully_shard`` on a parent makes a new root, and the old root's guards are removed.
 
-[Note: the link's queue] On one host a gather or reduction is done almost as soon as it is issued; across a link
-it takes longer than the compute around it, and the link idles whenever nothing is queued behind the collective in
-flight. So when a root's collectives cross hosts (``Transport.crosses_hosts``), it keeps the link's queue full: the
-gathers of the next ``MAX_PREFETCHED_UNITS`` units (not one) are issued ahead in both directions, forward prefetch is on
-unless the user turned it off (``forward_prefetch=None``, the default), and two reductions stay in flight behind the
-current one instead of one. The rate limiter bounds the gathered units as always; what grows is a reduction's send
-buffer more alive at once (measured: ``benchmarks/history.md``).
-
 What the units of one root share -- the forward order, the prefetches, the reductions in flight, the end-of-backward
 callback -- is ``RootContext`` in ``root.py``.
 """

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lightning_fsdp import FSDPPrecision, FSDPStrategy
-from lightning_fsdp import strategy as strategy_module
+from lightning_fsdp.trainer import strategy as strategy_module
 from tests.strategy_scripts import run_script
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp_trainer_runs.py"

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.optim.optimizer as optimizer_module
 from torch import nn
 
 from lightning_fsdp import fully_shard, release
@@ -140,8 +141,33 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> floa
     return loss.item()
 
 
+def _collected_during_a_step() -> dict[str, int]:
+    """The last sharded model, in a reference cycle, is collected while a plain optimizer's step walks torch's global
+    step hooks (a hook before ours runs the collector): the step goes on, our hook leaving only once it is safe (see
+    [Note: a global step hook goes when its objects do, never during a step] in ``optimizers/step_hook.py``)."""
+    hooks = optimizer_module._global_optimizer_pre_hooks
+    baseline = len(hooks)
+    collector = optimizer_module.register_optimizer_step_pre_hook(lambda *args: None if gc.collect() else None)
+    gc.disable()  # the collection happens inside the step, not at some allocation before it
+    try:
+        model, _ = _sharded_model()
+        cycle: list[Any] = [model]
+        cycle.append(cycle)
+        del model, cycle
+        weight = nn.Parameter(torch.ones(2))
+        weight.grad = torch.ones(2)
+        torch.optim.SGD([weight], lr=0.1).step()
+    finally:
+        gc.enable()
+    waiting = len(hooks) - baseline - 1
+    collector.remove()
+    release(nn.Linear(1, 1))
+    stepped = int(torch.equal(weight, torch.ones(2) - 0.1))
+    return {"waiting": waiting, "after": len(hooks) - baseline, "stepped": stepped}
+
+
 def _engine_alone(rank: int, world_size: int, out: str) -> None:
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"collected_during_a_step": _collected_during_a_step()}
     for transport in ("1", "0"):  # shared memory, then gloo
         os.environ[SHARED_MEMORY] = transport
         model, optimizer = _sharded_model()
@@ -186,3 +212,5 @@ def test_the_engine_alone_gives_back_a_dropped_or_released_model(tmp_path: Path)
         assert min(result["mappings"]["False"]) > 0, result
         assert result["same_training"], result
         assert result["our_threads"] == [], result
+        collected = result["collected_during_a_step"]
+        assert collected["waiting"] >= 1 and collected["after"] == 0 and collected["stepped"] == 1, result

@@ -15,14 +15,12 @@ looks only at what is new; a parameter that already moved stays whole.
 from __future__ import annotations
 
 from typing import Any
-from weakref import WeakKeyDictionary, finalize
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.hooks import RemovableHandle
 
 from lightning_fsdp.engine.optimizers.owners import plan_owners, work_of
 from lightning_fsdp.engine.optimizers.scope import (
@@ -32,33 +30,26 @@ from lightning_fsdp.engine.optimizers.scope import (
     probe_scope,
     probe_shape,
 )
+from lightning_fsdp.engine.optimizers.step_hook import HookWhileAlive
 from lightning_fsdp.engine.runtime.param import FSDPParam
 from lightning_fsdp.engine.runtime.registry import fsdp_param_of, unit_holding
 
 _PREPARED: WeakKeyDictionary[Optimizer, int] = WeakKeyDictionary()  # -> the parameters it held when prepared
-_SHARDED: set[int] = set()  # ids of the modules ``fully_shard`` sharded, not yet collected
-_HOOK: list[RemovableHandle] = []  # the step hook, while ``_SHARDED`` is not empty
 
 
 def install_step_hook(module: nn.Module) -> None:
     """Prepare every optimizer at its first step (see the Note), while ``module`` or another model ``fully_shard``
     sharded lives: the hook goes with the last of them, so that nothing of ours stays in the steps of every optimizer
-    of the process (see [Note: what a run gives back] in ``release.py``)."""
-    if id(module) not in _SHARDED:
-        _SHARDED.add(id(module))
-        finalize(module, _forget, id(module))
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_prepare_before_step))
-
-
-def _forget(module_id: int) -> None:
-    _SHARDED.discard(module_id)
-    if not _SHARDED and _HOOK:
-        _HOOK.pop().remove()
+    of the process (see [Note: a global step hook goes when its objects do, never during a step] in
+    ``step_hook.py``)."""
+    _STEP_HOOK.watch(module)
 
 
 def _prepare_before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     prepare_optimizer(optimizer)
+
+
+_STEP_HOOK = HookWhileAlive(_prepare_before_step)
 
 
 def prepare_optimizer(optimizer: Optimizer) -> None:

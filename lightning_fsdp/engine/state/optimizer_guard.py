@@ -12,35 +12,22 @@ steps of every optimizer of the process once the models are gone.
 from __future__ import annotations
 
 from typing import Any
-from weakref import WeakKeyDictionary, finalize
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_fsdp.engine.optimizers.step_hook import HookWhileAlive
 
 _REPLACED = WeakIdKeyDictionary()  # a parameter fully_shard replaced -> the name it had
 _CHECKED: WeakKeyDictionary[torch.optim.Optimizer, int] = WeakKeyDictionary()  # -> parameters seen at the check
-_LIVE: set[int] = set()  # ids of the replaced parameters not yet collected
-_HOOK: list[RemovableHandle] = []  # the optimizer hook, while ``_LIVE`` is not empty
 
 
 def record_replaced(param: nn.Parameter, name: str) -> None:
     """``param`` is no longer the module's: ``fully_shard`` registered its shard under ``name`` instead."""
     _REPLACED[param] = name
-    if id(param) not in _LIVE:
-        _LIVE.add(id(param))
-        finalize(param, _forget, id(param))
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_refuse_replaced_params))
-
-
-def _forget(param_id: int) -> None:
-    """A replaced parameter was collected: no optimizer holds it; without any left, the hook goes."""
-    _LIVE.discard(param_id)
-    if not _LIVE and _HOOK:
-        _HOOK.pop().remove()
+    _STEP_HOOK.watch(param)
 
 
 def _refuse_replaced_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -57,3 +44,6 @@ def _refuse_replaced_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
                     "optimizer after fully_shard, from model.parameters()."
                 )
     _CHECKED[optimizer] = count
+
+
+_STEP_HOOK = HookWhileAlive(_refuse_replaced_params)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from lightning_fsdp.engine.optimizers.step_hook import settle_step_hooks
 from lightning_fsdp.engine.runtime.registry import units_under
 from lightning_fsdp.engine.state.state_dict import forget_meshes
 
@@ -36,3 +37,4 @@ def release(module: nn.Module) -> None:
     for context in contexts.values():
         context.release()
     forget_meshes()
+    settle_step_hooks()

@@ -169,31 +169,9 @@ class ShardedModelSetup(ABC):
         refuse_unknown_keywords({name: value for name, value in given.items() if name not in ARGUMENTS})
         arguments = SimpleNamespace(**strategy_arguments(**{**self.argument_defaults, **given}))
         self._num_nodes = 1
-        if arguments.process_group_backend is not None and not isinstance(arguments.process_group_backend, str):
-            raise ValueError(
-                f"process_group_backend must be a string such as 'gloo', got {arguments.process_group_backend!r}."
-            )
-        self._process_group_backend = arguments.process_group_backend
-        if arguments.timeout is not None and not isinstance(arguments.timeout, timedelta):
-            raise ValueError(
-                f"timeout must be a datetime.timedelta (or None for torch's default), got {arguments.timeout!r}."
-            )
-        self._timeout = arguments.timeout
-        self.sharding_strategy: str = parse_sharding_strategy(arguments.sharding_strategy).value
-        prefetch = parse_backward_prefetch(arguments.backward_prefetch)
-        self.backward_prefetch = None if prefetch is None else prefetch.value
-        if arguments.state_dict_type not in STATE_DICT_TYPES:
-            raise ValueError(
-                f"state_dict_type={arguments.state_dict_type!r} is not supported; use 'full' or 'sharded'."
-            )
-        self.state_dict_type = arguments.state_dict_type
-        if arguments.process_group is not None and arguments.device_mesh is not None:
-            raise ValueError(
-                "process_group= and device_mesh= are mutually exclusive; pass the mesh alone for HYBRID_SHARD, or the "
-                "process group alone to shard over its ranks."
-            )
-        self.process_group = check_process_group(arguments.process_group)
-        self.device_mesh = check_device_mesh(arguments.device_mesh, self.sharding_strategy)
+        self._hybrid_mesh = None  # fixed in setup_environment
+        self._set_group_arguments(arguments)
+        self._set_checkpoint_arguments(arguments)
         self.auto_wrap_policy = resolve_policy(arguments.auto_wrap_policy, "auto_wrap_policy")
         self.activation_checkpointing_policy = resolve_policy(
             activation_checkpointing_alias(
@@ -216,15 +194,6 @@ class ShardedModelSetup(ABC):
         if arguments.device_id is not None and not isinstance(arguments.device_id, int | torch.device):
             raise ValueError(f"device_id must be a device index or a torch.device, got {arguments.device_id!r}.")
         self.device_id = arguments.device_id
-        self._hybrid_mesh = None  # fixed in setup_environment
-        self.trust_checkpoint = flag("trust_checkpoint", arguments.trust_checkpoint)
-        if arguments.storage_options is not None and not isinstance(arguments.storage_options, dict):
-            raise TypeError(
-                "storage_options must be a dict of the store's fsspec options, not a "
-                f"{type(arguments.storage_options).__name__}."
-            )
-        self.storage_options = arguments.storage_options
-        self.async_save = flag("async_save", arguments.async_save)
         parse_reshard_after_forward(arguments.reshard_after_forward, parse_sharding_strategy(self.sharding_strategy))
         self.reshard_after_forward = arguments.reshard_after_forward
         self.cross_host_precision = CrossHostPrecision.coerce(arguments.cross_host_precision)
@@ -245,6 +214,45 @@ class ShardedModelSetup(ABC):
             },
             self.use_orig_params,
         )
+
+    def _set_group_arguments(self, arguments: SimpleNamespace) -> None:
+        """Which ranks shard, over what, and how long a collective may wait."""
+        if arguments.process_group_backend is not None and not isinstance(arguments.process_group_backend, str):
+            raise ValueError(
+                f"process_group_backend must be a string such as 'gloo', got {arguments.process_group_backend!r}."
+            )
+        self._process_group_backend = arguments.process_group_backend
+        if arguments.timeout is not None and not isinstance(arguments.timeout, timedelta):
+            raise ValueError(
+                f"timeout must be a datetime.timedelta (or None for torch's default), got {arguments.timeout!r}."
+            )
+        self._timeout = arguments.timeout
+        self.sharding_strategy: str = parse_sharding_strategy(arguments.sharding_strategy).value
+        prefetch = parse_backward_prefetch(arguments.backward_prefetch)
+        self.backward_prefetch = None if prefetch is None else prefetch.value
+        if arguments.process_group is not None and arguments.device_mesh is not None:
+            raise ValueError(
+                "process_group= and device_mesh= are mutually exclusive; pass the mesh alone for HYBRID_SHARD, or the "
+                "process group alone to shard over its ranks."
+            )
+        self.process_group = check_process_group(arguments.process_group)
+        self.device_mesh = check_device_mesh(arguments.device_mesh, self.sharding_strategy)
+
+    def _set_checkpoint_arguments(self, arguments: SimpleNamespace) -> None:
+        """How checkpoints are written and read."""
+        if arguments.state_dict_type not in STATE_DICT_TYPES:
+            raise ValueError(
+                f"state_dict_type={arguments.state_dict_type!r} is not supported; use 'full' or 'sharded'."
+            )
+        self.state_dict_type = arguments.state_dict_type
+        self.trust_checkpoint = flag("trust_checkpoint", arguments.trust_checkpoint)
+        if arguments.storage_options is not None and not isinstance(arguments.storage_options, dict):
+            raise TypeError(
+                "storage_options must be a dict of the store's fsspec options, not a "
+                f"{type(arguments.storage_options).__name__}."
+            )
+        self.storage_options = arguments.storage_options
+        self.async_save = flag("async_save", arguments.async_save)
 
     @abstractmethod
     def _precision_engine_policy(self) -> MixedPrecision | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_fsdp.engine.build.fingerprint import ParamPrint, UnitPrint, check_same_structure, values_differ
 from lightning_fsdp.engine.build.groups import Groups, resolve_groups
 from lightning_fsdp.engine.build.ownership import OwnedParam, assign_params
-from lightning_fsdp.engine.build.policies import PolicyLike, as_wrap_policy, select_unit_modules
+from lightning_fsdp.engine.build.policies import PolicyLike, WrapPolicy, as_wrap_policy, select_unit_modules
 from lightning_fsdp.engine.features.host_memory import keep_freed_memory
 from lightning_fsdp.engine.features.module_buffers import broadcast_from_first
 from lightning_fsdp.engine.init.materialize import ParamInitFn, check_initializable, has_meta_tensors, materialize
@@ -120,8 +121,42 @@ def fully_shard(
         cross_host_precision,
         gather_embedding_by_rows,
     )
-    wrap_policy = as_wrap_policy(policy)
     groups = resolve_groups(options.sharding_strategy, process_group, device_mesh)
+    plan = _plan(module, as_wrap_policy(policy), groups, param_init_fn, ignored_modules, ignored_params)
+    builder = _UnitBuilder(plan.assignment, groups, options, sync_module_states)
+    for unit_module in plan.unit_modules:
+        builder.expect(unit_module)
+    if plan.deferred:
+        owners_of = {id(o.param): o.owners for owned in plan.assignment.values() for o in owned}
+        materialize(module, _materialize_device(device, groups), param_init_fn, owners_of, builder.param_ready)
+    builder.build_remaining()
+    _start_ranks_equal(module, builder, groups, sync_module_states)
+    if options.mixed_precision.buffer_dtype is not None:
+        _cast_buffers(module, options.mixed_precision.buffer_dtype)
+    _make_root(module, plan, groups)
+    return module
+
+
+class _Plan(NamedTuple):
+    """What one ``fully_shard`` call will do, decided and checked before it changes anything."""
+
+    unit_modules: list[nn.Module]  # the units to build, bottom-up, the root last
+    assignment: dict[nn.Module, list[OwnedParam]]  # each unit's parameters
+    deferred: bool  # the model holds meta tensors, materialised as the units are built
+    existing_units: list[FSDPUnit]  # units of earlier calls, below the new root
+    model_bytes: int
+
+
+def _plan(
+    module: nn.Module,
+    wrap_policy: WrapPolicy | None,
+    groups: Groups,
+    param_init_fn: ParamInitFn | None,
+    ignored_modules: Iterable[nn.Module],
+    ignored_params: Iterable[nn.Parameter],
+) -> _Plan:
+    """Choose the units and their parameters, and check every rank would build the same: a refusal leaves the model
+    as it was."""
     if unit_of(module) is not None:
         raise ValueError(f"{type(module).__name__} is already sharded; call fully_shard once per module.")
     ignored_module_ids = {id(m) for root in ignored_modules for m in root.modules()}
@@ -139,7 +174,6 @@ def fully_shard(
     deferred = has_meta_tensors(module)
     if deferred:
         check_initializable(module, param_init_fn)
-    existing_units = units_under(module)
     new_units = {id(m) for m in (*children, module)}
     assignment = assign_params(
         module,
@@ -147,18 +181,17 @@ def fully_shard(
         skip=lambda p: fsdp_param_of(p) is not None or id(p) in ignored_param_ids,
     )
     unit_modules = [m for m in (*children, module) if m is module or assignment.get(m)]
-    for unit_module in unit_modules:  # every check before the first change: a refusal leaves the model as it was
+    for unit_module in unit_modules:
         _check_uniform(unit_module, assignment.get(unit_module, []), devices=not deferred)
-    if groups.sync.size() > 1:  # before the first change, and before any per-unit collective
+    if groups.sync.size() > 1:  # before any per-unit collective
         check_same_structure(*_structure_prints(module, unit_modules, assignment), groups.sync)
     model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    builder = _UnitBuilder(assignment, groups, options, sync_module_states)
-    for unit_module in unit_modules:
-        builder.expect(unit_module)
-    if deferred:
-        owners_of = {id(o.param): o.owners for owned in assignment.values() for o in owned}
-        materialize(module, _materialize_device(device, groups), param_init_fn, owners_of, builder.param_ready)
-    builder.build_remaining()
+    return _Plan(unit_modules, assignment, deferred, units_under(module), model_bytes)
+
+
+def _start_ranks_equal(module: nn.Module, builder: _UnitBuilder, groups: Groups, sync_module_states: bool) -> None:
+    """The buffers as rank 0 has them where asked or where ranks differ (the units' parameters already are, see
+    [Note: different values are made rank 0's] in ``fingerprint.py``), and one log line when values were taken."""
     if groups.sync.size() > 1:
         buffers = [b for b in module.buffers() if b.numel() > 0]
         if buffers and (sync_module_states or values_differ(buffers, groups.sync)):
@@ -171,17 +204,19 @@ def fully_shard(
             type(module).__name__,
             ", ".join(builder.took_rank0[:3]) + (", ..." if len(builder.took_rank0) > 3 else ""),
         )
-    if options.mixed_precision.buffer_dtype is not None:
-        _cast_buffers(module, options.mixed_precision.buffer_dtype)
-    for unit in existing_units:
+
+
+def _make_root(module: nn.Module, plan: _Plan, groups: Groups) -> None:
+    """``module`` becomes the root of every unit below it, with what a root brings: the guard on its children's
+    calls, the marks libraries read, full state dicts in ``load_state_dict``, the optimizers' preparation."""
+    for unit in plan.existing_units:
         unit.leave_root()  # the new root claims them at its first forward
     hooks.guard_ungathered_calls(unit_of(module))
     _mark_fsdp_managed(module)
     install_load_hooks(module)  # module.load_state_dict takes full state dicts: see load_hooks.py
     install_step_hook(module)  # see [Note: an optimizer is prepared before its first step] in optimizers/prepare.py
     if groups.sync.size() > 1 and unit_of(module).compute_device().type == "cpu":
-        keep_freed_memory(model_bytes)  # see [Note: freed memory stays with the process]
-    return module
+        keep_freed_memory(plan.model_bytes)  # see [Note: freed memory stays with the process] in host_memory.py
 
 
 def _mark_fsdp_managed(module: nn.Module) -> None:

@@ -44,9 +44,8 @@ from lightning_fsdp.adapter.sharding_setup import ShardedModelSetup
 from lightning_fsdp.adapter.strategy_arguments import publish_arguments
 from lightning_fsdp.adapter.strategy_names import register_names
 from lightning_fsdp.checkpoint.async_save import BackgroundSaver
-from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_rank, refusal_error
 from lightning_fsdp.checkpoint.location import is_remote
-from lightning_fsdp.checkpoint.remote import remote_refusal
+from lightning_fsdp.checkpoint.rank_zero import refuse_full_destination, save_on_rank_zero
 from lightning_fsdp.engine import MixedPrecision, clip_grad_norm_, clip_grad_value_, no_sync, prepare_optimizer
 from lightning_fsdp.engine.diagnostics.hang_watch import set_phase
 from lightning_fsdp.engine.runtime.registry import unit_of
@@ -322,23 +321,8 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         if self.state_dict_type == "sharded":
             save_sharded_folder(path, parts, filter or {}, storage_options)
             return
-        refusal = None
-        if self.is_global_zero and is_remote(path):
-            refusal = remote_refusal(str(path), "full", storage_options)
-        elif self.is_global_zero:
-            refusal = check_destination(Path(path), "full", 0)
-        refusal = self.broadcast(refusal)
-        if refusal is not None:
-            raise refusal_error(refusal)
-        failure = None
-        try:
-            save_full(path, parts, filter or {}, self.is_global_zero, storage_options)
-        except Exception as err:
-            failure = err
-        # Rank 0 alone writes: the others learn whether it failed instead of waiting for it in the next barrier.
-        raise_on_every_rank(failure if self.is_global_zero else None, path)
-        if failure is not None:
-            raise failure
+        refuse_full_destination(path, storage_options=storage_options)
+        save_on_rank_zero(path, lambda: save_full(path, parts, filter or {}, self.is_global_zero, storage_options))
 
     @override
     def load_checkpoint(

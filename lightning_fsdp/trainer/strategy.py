@@ -54,9 +54,6 @@ from lightning_fsdp.adapter.strategy_names import register_names
 from lightning_fsdp.averaging.unsupported import refuse_unsharded_averaging
 from lightning_fsdp.checkpoint.async_save import BackgroundSaver
 from lightning_fsdp.checkpoint.atomic import (
-    check_destination,
-    raise_on_every_rank,
-    refusal_error,
     remove,
     tensor_bytes,
 )
@@ -73,7 +70,8 @@ from lightning_fsdp.checkpoint.full import (
     torch_optimizer_state,
 )
 from lightning_fsdp.checkpoint.location import is_remote
-from lightning_fsdp.checkpoint.remote import remote_kind, remote_refusal, remove_remote
+from lightning_fsdp.checkpoint.rank_zero import refuse_full_destination, save_on_rank_zero
+from lightning_fsdp.checkpoint.remote import remote_kind, remove_remote
 from lightning_fsdp.checkpoint.remote_last import resolve_remote_last
 from lightning_fsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_fsdp.engine import MixedPrecision, no_sync
@@ -472,27 +470,15 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             record_optimizer_names(checkpoint, self._module(), self.optimizers)
         if self._saves_in_background():
             self._background_saver().wait()  # the previous write's failure comes first
-        refusal = None
-        if self.is_global_zero:
-            if is_remote(filepath):
-                refusal = remote_refusal(filepath, "full", self._storage_options(storage_options))
-            else:
-                refusal = check_destination(Path(filepath), "full", tensor_bytes(checkpoint))
-        refusal = self.broadcast(refusal)
-        if refusal is not None:
-            raise refusal_error(refusal)
         options = self._storage_options(storage_options) if is_remote(filepath) else storage_options
+        refuse_full_destination(filepath, tensor_bytes(checkpoint) if self.is_global_zero else 0, options)
         if self._saves_in_background():
             self._save_full_in_background(checkpoint, filepath, options)
             return
-        failure = None
-        if self.is_global_zero:
-            try:
-                self._atomic_checkpoint_io().save_checkpoint(checkpoint, filepath, options)
-            except BaseException as err:
-                failure = err
-        # rank 0 wrote alone: every rank learns how it went (a URL stays a string: no local disk to have run full)
-        raise_on_every_rank(failure, str(filepath) if is_remote(filepath) else Path(filepath))
+        io = self._atomic_checkpoint_io()
+        save_on_rank_zero(
+            filepath, lambda: io.save_checkpoint(checkpoint, filepath, options) if self.is_global_zero else None
+        )
 
     def _saves_in_background(self) -> bool:
         return self.async_save or isinstance(self.checkpoint_io, AsyncCheckpointIO)

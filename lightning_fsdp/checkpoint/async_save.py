@@ -1,30 +1,12 @@
 """Checkpoints written in the background while training goes on: one save in flight at most, no failure lost.
 
-A save is split where training must wait and where it need not. At the call (a step boundary, every rank together):
-
-1. the previous background write is waited for, and its failure, if it had one, is raised here;
-2. every rank checks its destination (a refusal is raised at once, as a synchronous save raises it);
-3. this rank's shards and optimizer state are copied to CPU memory (torch's ``BlockingAsyncStager``), and the rest
-   of the checkpoint is serialised as ``meta.pt``'s bytes: a snapshot that later steps cannot change. This copy is
-   what blocks training, and the only memory a save costs: one copy of this rank's part, freed when it is written.
-
-Then a thread writes the snapshot through the same atomic ``save_sharded`` a synchronous save uses: the checkpoint
-appears under its name only when complete, and a process killed during the write leaves the previous checkpoint
-there intact (its temporary is removed by the next save into the folder, see ``temporaries.py``).
-
-A full file goes the same way through ``write``: the caller checks the destination and snapshots the gathered
-checkpoint on rank 0, whose writer then writes it while the other ranks' writers only take part in the agreement.
-
-[Note: the background save's own process group] Every collective of the write (the agreements of
-``atomic_directory``, DCP's plan and metadata exchange) runs on a gloo group created once for checkpointing, never on
-the training group: collectives of one group issued from two threads at once would interleave in a different order
-on different ranks. The group spans every rank, and each rank's writer thread progresses on its own, so a rank whose
-main thread waits for its write never waits on another rank's training.
-
-A write that fails is agreed on by every rank's writer (one more collective on that group) and kept; the next save,
-``remove_later``'s caller or ``close`` raises it, the same sentence on every rank. Removals asked for while a write
-is in flight (``ModelCheckpoint`` dropping the checkpoint the new one replaces) run after it, and only if it
-succeeded: a failed write leaves the older checkpoint in place, the newest complete one.
+A save is split where training must wait and where it need not. At the call (a step boundary, every rank together)
+the previous write is waited for, every rank checks its destination, and this rank's part of the checkpoint is copied
+into a snapshot that later steps cannot change. Then a thread writes the snapshot through the same atomic
+``save_sharded`` a synchronous save uses: the checkpoint appears under its name only when complete, and a process
+killed during the write leaves the previous checkpoint there intact. The write's collectives run on a process group of
+their own (see [Note: the background save's own process group]); a write that fails is raised by the next call, on
+every rank alike.
 """
 
 from __future__ import annotations
@@ -64,6 +46,11 @@ class _Outcome:
 class BackgroundSaver:
     """Saves of one process, each written by a background thread; at most one in flight.
 
+    A write that fails is agreed on by every rank's writer (one more collective on the saves' group) and kept; the
+    next save, ``remove_later``'s caller or ``close`` raises it, the same sentence on every rank. Removals asked for
+    while a write is in flight (``ModelCheckpoint`` dropping the checkpoint the new one replaces) run after it, and
+    only if it succeeded: a failed write leaves the older checkpoint in place, the newest complete one.
+
     Args:
         timeout: how long a collective of the background write may wait (the strategy's timeout).
     """
@@ -81,7 +68,12 @@ class BackgroundSaver:
         """Snapshot ``state`` (sharded, see ``sharded_checkpoint_state``) and ``meta`` and write them in the
         background to this rank's ``path`` (a collective: every rank calls it, each with its own path).
 
-        Raises the previous write's failure, or a refusal of ``path``, before anything is copied.
+        At the call: the previous background write is waited for, and its failure, if it had one, is raised here;
+        every rank checks its destination (a refusal is raised at once, as a synchronous save raises it); this rank's
+        shards and optimizer state are copied to CPU memory (torch's ``BlockingAsyncStager``), and the rest of the
+        checkpoint is serialised as ``meta.pt``'s bytes. This copy is what blocks training, and the only memory a save
+        costs: one copy of this rank's part, freed when it is written. A process killed during the write leaves its
+        temporary behind, removed by the next save into the folder (see ``temporaries.py``).
         """
         path = Path(path)
         self.wait()
@@ -137,6 +129,11 @@ class BackgroundSaver:
         if group is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group(group)
 
+    # [Note: the background save's own process group] Every collective of the write (the agreements of
+    # ``atomic_directory``, DCP's plan and metadata exchange) runs on a gloo group created once for checkpointing, never
+    # on the training group: collectives of one group issued from two threads at once would interleave in a different
+    # order on different ranks. The group spans every rank, and each rank's writer thread progresses on its own, so a
+    # rank whose main thread waits for its write never waits on another rank's training.
     def _checkpoint_group(self) -> dist.ProcessGroup | None:
         """The gloo group of every background collective, created once (a collective on the default group); None
         outside a process group. See [Note: the background save's own process group]."""

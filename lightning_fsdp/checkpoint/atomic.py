@@ -1,28 +1,12 @@
 """Atomic checkpoint writes: a checkpoint appears under its final name only when it is complete.
 
 Everything is written into a temporary sibling of the target (same directory, so the final ``rename`` stays on one
-file system and is atomic), made durable with ``fsync``, and then renamed into place. A crash at any point leaves
-the previous checkpoint under the final name untouched and, at worst, a ``.partial-<uuid>.tmp`` sibling behind,
-marked by its writers, which the next save into the same folder removes once no writer holds it (see
+file system and is atomic), made durable with ``fsync``, and then renamed into place (``publish``). A crash at any
+point leaves the previous checkpoint under the final name untouched and, at worst, a ``.partial-<uuid>.tmp`` sibling
+behind, marked by its writers, which the next save into the same folder removes once no writer holds it (see
 ``temporaries.py``); a failure Python sees (a full disk) removes its temporary at once. Nothing is ever written over
-a path that is not a checkpoint of the same form (see ``destination.py``).
-
-A file replaces a file in one ``rename``. A folder cannot replace a non-empty folder that way, so on Linux the two
-swap names in one atomic step (``renameat2`` with ``RENAME_EXCHANGE``) and the old one, now under the temporary
-name, is deleted. Elsewhere it takes two renames (old one aside, new one in): a crash between them leaves nothing
-under the final name, with the old checkpoint complete in a ``.partial-*`` sibling until the next save.
-Removal renames a folder aside before deleting it, so a crash mid-delete leaves no torn folder under its name.
-
-[Note: ranks that share no disk] A sharded save is written by every rank into the temporary beside *its own*
-destination: the ranks may give different paths (Ray Train gives every worker its own folder) or the same path that
-lies on different disks (nodes without a shared file system). Which ranks share a temporary is found out, not
-assumed: every rank creates the temporary (or finds it there) and drops its writer file, holding the save's token,
-into it; after a barrier each rank looks for the others' files, and the ranks that see each other form one *folder*,
-published by its lowest rank. Every publishing rank checks its own destination and free space first, and any
-refusal refuses on every rank; nothing is published until every rank has written its part, and rank 0's own files
-(DCP's ``.metadata``, ``meta.pt``) are copied into every other folder, so each one says which checkpoint it belongs
-to. A folder that lacks the other folders' shard files is refused at load as incomplete; copying every folder into
-one (as Ray's upload does) gives the complete checkpoint.
+a path that is not a checkpoint of the same form (see ``destination.py``). Ranks that write one sharded checkpoint
+need not share a disk (see [Note: ranks that share no disk] above ``atomic_directory``).
 """
 
 from __future__ import annotations
@@ -174,7 +158,13 @@ def _causes(err: BaseException) -> list[BaseException]:
 
 
 def publish(tmp: Path, final: Path) -> None:
-    """Move a complete ``tmp`` (file or folder) to ``final``, replacing what was there, atomically."""
+    """Move a complete ``tmp`` (file or folder) to ``final``, replacing what was there, atomically.
+
+    A file replaces a file in one ``rename``. A folder cannot replace a non-empty folder that way, so on Linux the two
+    swap names in one atomic step (``renameat2`` with ``RENAME_EXCHANGE``) and the old one, now under the temporary
+    name, is deleted. Elsewhere it takes two renames (old one aside, new one in): a crash between them leaves nothing
+    under the final name, with the old checkpoint complete in a ``.partial-*`` sibling until the next save.
+    """
     _fsync_tree(tmp)
     if final.is_dir() and not final.is_symlink():
         if _exchange(tmp, final):  # now ``final`` is the new folder and ``tmp`` the old one
@@ -209,7 +199,8 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def remove(path: str | os.PathLike) -> None:
-    """Delete a checkpoint file or folder (a link: only the link); a folder leaves its name in one step first.
+    """Delete a checkpoint file or folder (a link: only the link); a folder leaves its name in one step first, so a
+    crash mid-delete leaves no torn folder under its name.
 
     Ranks that share the folder may all call this at once: the first rename wins, the others find nothing to do.
     """
@@ -413,6 +404,16 @@ def _copy_rank0_files(tmp: Path, ranks: _Ranks, owner: int, names: Sequence[str]
             os.fsync(handle.fileno())
 
 
+# [Note: ranks that share no disk] A sharded save is written by every rank into the temporary beside *its own*
+# destination: the ranks may give different paths (Ray Train gives every worker its own folder) or the same path that
+# lies on different disks (nodes without a shared file system). Which ranks share a temporary is found out, not assumed:
+# every rank creates the temporary (or finds it there) and drops its writer file, holding the save's token, into it;
+# after a barrier each rank looks for the others' files, and the ranks that see each other form one *folder*, published
+# by its lowest rank. Every publishing rank checks its own destination and free space first, and any refusal refuses on
+# every rank; nothing is published until every rank has written its part, and rank 0's own files (DCP's ``.metadata``,
+# ``meta.pt``) are copied into every other folder, so each one says which checkpoint it belongs to. A folder that lacks
+# the other folders' shard files is refused at load as incomplete; copying every folder into one (as Ray's upload does)
+# gives the complete checkpoint.
 @contextmanager
 def atomic_directory(
     final: str | os.PathLike,

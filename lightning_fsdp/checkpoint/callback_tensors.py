@@ -2,25 +2,11 @@
 
 A callback's state dict may hold, under ``"sharded_tensors"``, a dict of tensors by name: ``Shard(0)`` DTensors for
 rows spread over the ranks, plain tensors for what every rank holds whole. Lightning hands callback states to the
-strategy as part of the checkpoint dict, which rank 0 alone would write; so the strategy moves these tensors:
-
-- full form: every DTensor is gathered into a full tensor on rank 0's CPU, one at a time, so the file holds full
-  tensors, which any world size (the callback takes its rows) and ``convert`` read;
-- sharded form: the dict moves into the DCP folder under ``callback_tensors.<state_key>.<name>``, each rank writing
-  its own rows as it does for optimizer state; ``meta.pt`` keeps the rest of the callback's state under
-  ``callbacks``. The tensors' top-level key is not ``callbacks`` because Lightning's own consolidation
-  (``_load_distributed_checkpoint``, ``python -m lightning.pytorch.utilities.consolidate_checkpoint``) reads the
-  folder into one dict and then updates it with ``meta.pt``, whose ``callbacks`` would replace them. A consolidated
-  file therefore holds ``callback_tensors`` beside ``callbacks``, which ``fold_callback_tensors`` puts back into the
-  full form's place. Folders written before this layout hold the tensors under ``callbacks.<state_key>.<name>``;
-  loading and ``convert`` read both;
-- a full load: the file's tensors are checked against each callback's ``sharded_tensors()`` (names, full shapes)
-  before anything is loaded; the callback takes its rows in its ``load_state_dict``;
-- a sharded load: each callback's ``sharded_tensors()`` (DTensors aliasing its rows) is the target DCP loads into, in
-  place, at any world size, after checking that the folder records exactly those names and shapes; the loaded dict
-  is put back into the callback's state, so its ``load_state_dict`` sees what it saved.
-
-A callback missing from the folder is left as it is (as Lightning does with a callback state a checkpoint lacks).
+strategy as part of the checkpoint dict, which rank 0 alone would write; so the strategy moves these tensors. The full
+form gathers them into full tensors on rank 0 (``gather_callback_tensors``); the sharded form writes each rank's rows
+into the DCP folder (``pop_callback_tensors``). A load checks them against each callback's ``sharded_tensors()``
+(names, full shapes) before anything is loaded, and the callback gets back what it saved, at any world size. A
+callback missing from the folder is left as it is (as Lightning does with a callback state a checkpoint lacks).
 """
 
 from __future__ import annotations
@@ -41,7 +27,11 @@ SAVED_UNDER = (CALLBACK_TENSORS, CALLBACKS)  # the DCP keys they may be under: t
 
 
 def gather_callback_tensors(checkpoint: dict[str, Any]) -> None:
-    """Replace every callback's DTensors by full tensors on rank 0's CPU, in place (a collective: every rank)."""
+    """Replace every callback's DTensors by full tensors on rank 0's CPU, in place (a collective: every rank).
+
+    One tensor at a time; the full file then holds full tensors, which any world size (the callback takes its rows)
+    and ``convert`` read.
+    """
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     for state in checkpoint.get(CALLBACKS, {}).values():
         tensors = state.get(SHARDED_TENSORS) if isinstance(state, dict) else None
@@ -56,7 +46,15 @@ def gather_callback_tensors(checkpoint: dict[str, Any]) -> None:
 
 
 def pop_callback_tensors(checkpoint: dict[str, Any]) -> dict[str, dict[str, Tensor]]:
-    """Take every callback's per-rank tensors out of ``checkpoint``, by state key, for the DCP folder."""
+    """Take every callback's per-rank tensors out of ``checkpoint``, by state key, for the DCP folder.
+
+    They go into the folder under ``callback_tensors.<state_key>.<name>``, each rank writing its own rows as it does
+    for optimizer state; ``meta.pt`` keeps the rest of the callback's state under ``callbacks``. The tensors' top-level
+    key is not ``callbacks`` because Lightning's own consolidation (``_load_distributed_checkpoint``,
+    ``python -m lightning.pytorch.utilities.consolidate_checkpoint``) reads the folder into one dict and then updates it
+    with ``meta.pt``, whose ``callbacks`` would replace them; a consolidated file therefore holds ``callback_tensors``
+    beside ``callbacks`` (see ``fold_callback_tensors``).
+    """
     popped = {}
     for key, state in checkpoint.get(CALLBACKS, {}).items():
         if isinstance(state, dict) and isinstance(state.get(SHARDED_TENSORS), dict):
@@ -77,7 +75,12 @@ def recorded_callback_tensors(
     metadata: Metadata, targets: Mapping[str, dict[str, Tensor]], path: Path
 ) -> dict[str, dict[str, dict[str, Tensor]]]:
     """The targets of the callbacks a sharded folder records, after checking their names and shapes against it,
-    under the DCP key the folder has them under (``SAVED_UNDER``), as ``dcp.load`` takes them."""
+    under the DCP key the folder has them under (``SAVED_UNDER``), as ``dcp.load`` takes them.
+
+    A target is the callback's ``sharded_tensors()`` (DTensors aliasing its rows), which DCP loads into in place, at
+    any world size. Folders of the first layout hold the tensors under ``callbacks.<state_key>.<name>``; loading and
+    ``convert`` read both.
+    """
     saved: dict[str, dict[str, dict[str, tuple[int, ...]]]] = {}
     for fqn, item in metadata.state_dict_metadata.items():
         parts = (metadata.planner_data or {}).get(fqn, ())
@@ -98,7 +101,8 @@ def fold_callback_tensors(checkpoint: dict[str, Any]) -> None:
 def check_full_callback_tensors(
     checkpoint: Mapping[str, Any], targets: Mapping[str, dict[str, Tensor]], path: object
 ) -> None:
-    """Refuse a full checkpoint whose callbacks' tensors do not fit this run's (before anything is loaded)."""
+    """Refuse a full checkpoint whose callbacks' tensors do not fit this run's (before anything is loaded); each
+    callback takes its rows in its ``load_state_dict``."""
     saved = {
         key: {name: tuple(value.shape) for name, value in state[SHARDED_TENSORS].items()}
         for key, state in checkpoint.get(CALLBACKS, {}).items()
@@ -127,7 +131,8 @@ def _fitting(
 
 
 def merge_callback_tensors(checkpoint: dict[str, Any], loaded: Mapping[str, dict[str, Tensor]]) -> None:
-    """Put loaded per-rank tensors back into the callback states ``checkpoint`` holds (its ``meta.pt`` part)."""
+    """Put loaded per-rank tensors back into the callback states ``checkpoint`` holds (its ``meta.pt`` part), so a
+    callback's ``load_state_dict`` sees what it saved."""
     states = checkpoint.get(CALLBACKS, {})
     for key, tensors in loaded.items():
         if isinstance(states.get(key), dict):

@@ -2,21 +2,11 @@
 
 An object store has no rename, so the local recipe (write a temporary, rename it into place, see ``atomic.py``) does
 not carry over. What a store does give: an object appears only when its upload is complete (one PUT, or a multipart
-upload that is committed at the end). So:
-
-- full: rank 0 streams ``torch.save`` into one upload, aborted (nothing appears) if the write fails;
-- sharded: every rank writes its own shard straight to the store through torch's ``FsspecWriter`` (nothing is
-  staged on one node), ``meta.pt`` is written before the shards and DCP's ``.metadata`` last, by rank 0, once every
-  rank's shard is in. ``.metadata`` is the mark of a complete checkpoint: a prefix without it is refused as torn.
-  Replacing a checkpoint removes its ``.metadata`` before anything else, so a save that dies half-way leaves a torn
-  (refused) prefix, never a mix of two checkpoints that loads.
-
-Nothing but our own checkpoint objects is ever overwritten or deleted: a destination holding anything else (a user's
-object at the key, foreign objects under the prefix) is refused before a byte is written, as locally.
-
-Loading a full file does not make every rank download it: the lowest rank of each host downloads it once into the
-host's temporary folder and every rank on the host reads it memory-mapped (then copies only its rows), as from a local
-file. A sharded load reads only the byte ranges of this rank's rows (``FsspecReader``).
+upload that is committed at the end). So a full checkpoint is one upload, aborted if the write fails
+(``save_full_remote``), and a sharded one is complete once DCP's ``.metadata``, written last, is there
+(``save_sharded_remote``): a prefix without it is refused as torn. Nothing but our own checkpoint objects is ever
+overwritten or deleted (``remote_refusal``). A full file is downloaded once per host (``downloaded_once_per_host``);
+a sharded load reads only the byte ranges of this rank's rows (``FsspecReader``).
 
 ``storage_options`` (an endpoint, credentials) go to fsspec's ``url_to_fs`` unchanged; fsspec's own configuration
 (``FSSPEC_S3_ENDPOINT_URL``, ``~/.config/fsspec``) and the store's client configuration (``AWS_ENDPOINT_URL``,
@@ -108,7 +98,11 @@ def is_sharded_remote(url: str, storage_options: StorageOptions = None) -> bool:
 
 
 def remote_refusal(url: str, form: str, storage_options: StorageOptions = None) -> str | None:
-    """Why a ``form`` (``"full"`` or ``"sharded"``) checkpoint must not be written at ``url`` (a sentence), or None."""
+    """Why a ``form`` (``"full"`` or ``"sharded"``) checkpoint must not be written at ``url`` (a sentence), or None.
+
+    Nothing but our own checkpoint objects is ever overwritten or deleted: a destination holding anything else (a
+    user's object at the key, foreign objects under the prefix) is refused before a byte is written, as locally.
+    """
     fs, path = _store(url, storage_options)
     is_file, objects = fs.isfile(path), _objects_under(fs, path)
     if form == "sharded":
@@ -167,6 +161,9 @@ def save_sharded_remote(
     Rank 0 checks the destination, removes a previous checkpoint there (its ``.metadata`` first) and writes
     ``meta.pt``; every rank learns the outcome before it writes. DCP then writes each rank's shard and, once all
     are in, ``.metadata``; a rank that fails makes DCP raise on every rank, and the prefix stays torn (refused).
+    ``.metadata`` is the mark of a complete checkpoint and goes first when one is replaced, so a save that dies
+    half-way leaves a torn prefix, never a mix of two checkpoints that loads. Nothing is staged on one node: every
+    rank writes its own shard straight to the store through torch's ``FsspecWriter``.
     """
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
@@ -280,7 +277,9 @@ def load_meta_remote(url: str, trust: bool, opt_in: str, storage_options: Storag
 def downloaded_once_per_host(url: str, storage_options: StorageOptions = None) -> Iterator[Path]:
     """A local copy of the object at ``url`` for every rank, downloaded once per host (a collective).
 
-    The lowest rank of each host (by host name) downloads into the host's temporary folder; leaving the block --
+    Every rank then reads the copy memory-mapped and copies only its rows, as from a local file, and no rank
+    downloads the file for itself. The lowest rank of each host (by host name) downloads into the host's temporary
+    folder; leaving the block --
     which every rank does once it has opened the copy (memory-mapped, which outlives the name) -- deletes it. A
     download that fails on any host raises on every rank.
     """

@@ -9,11 +9,10 @@ The recipe, and what each way of loading the pretrained weights costs in host me
 - ``load="from_pretrained"``: ``configure_model`` calls ``from_pretrained``, so every rank holds the whole model
   until the strategy shards it. Simplest, and fine while the model fits each rank's host memory.
 
-``lora_rank > 0`` adds LoRA adapters to the layers named by ``lora_targets`` and freezes everything else; with
-``FSDPStrategy(save_trainable_only=True)`` checkpoints then hold the adapters alone. ``adapters="builtin"`` uses
-``lightning_fsdp.demos.lora``; ``adapters="peft"`` wraps the model with peft's ``get_peft_model`` and a
-``LoraConfig``, as peft's users do (peft renames the base weights, so it needs ``load="from_pretrained"``).
-transformers is imported only when the model is built (it is not a dependency of lightning_fsdp itself).
+``lora_rank > 0`` adds LoRA adapters to the ``lora_targets`` layers and freezes the rest; with
+``FSDPStrategy(save_trainable_only=True)`` checkpoints hold the adapters alone. ``adapters="peft"`` wraps the model with
+peft's ``get_peft_model`` instead of ``lightning_fsdp.demos.lora`` (peft renames the base weights, so it needs
+``load="from_pretrained"``). transformers is imported only when the model is built (not a dependency of lightning_fsdp).
 """
 
 from __future__ import annotations

@@ -2,22 +2,14 @@
 
 Fabric hands a strategy a dictionary of named objects (``{"model": model, "optimizer": optimizer, "iter_num": 3}``).
 
-- full: one file with the user's own keys, as Lightning's Fabric FSDP, ddp and a single device write it:
-  ``ckpt["model"]`` is the model's full state dict (plain tensors: ``torch.load(path, weights_only=True)`` reads it
-  and ``model.load_state_dict`` of the unsharded model takes it, LitGPT's ``ckpt.get("model", ckpt)`` too),
-  ``ckpt["optimizer"]`` the optimizer's full state keyed by parameter name as Lightning's Fabric FSDP writes it
-  (``Optimizer.load_state_dict`` of the unsharded model takes it as well), every other entry as given. What our
-  loaders need -- which key is the module, which are the optimizers, the Lightning version -- lies under one private
-  key, ``"_lightning_fsdp"``, so a Trainer's ``ckpt_path=`` and ``lightning-fsdp convert`` read the file too;
+- full: one file with the user's own keys, as Lightning's Fabric FSDP, ddp and a single device write it, and what our
+  loaders need under one private key (``save_full``);
 - sharded: the DCP folder with ``model`` and ``optimizer_0``, ``optimizer_1``, ... and ``meta.pt`` holding every
   other entry, the Trainer strategy's layout (see :mod:`lightning_fsdp.checkpoint`).
 
-``fabric.load`` reads either, and the full files of the older layout (the Trainer's keys ``state_dict`` /
-``optimizer_states``, the names recorded under ``lightning_fsdp.fabric``), a Trainer's checkpoints, and a full file
-in Fabric's plain layout without our record (what ``Fabric(strategy="ddp")`` saves). Every check -- keys, shapes,
-optimizers, the requested entries -- comes before the first tensor changes, and the refusal and safety rules are the
-Trainer's: destinations checked before anything is written, atomic writes, nothing unpickled beyond plain data
-unless trusted.
+``fabric.load`` reads either, and the other layouts ``load_into`` lists. Every check -- keys, shapes, optimizers, the
+requested entries -- comes before the first tensor changes, and the refusal and safety rules are the Trainer's:
+destinations checked before anything is written, atomic writes, nothing unpickled beyond plain data unless trusted.
 """
 
 from __future__ import annotations
@@ -100,6 +92,14 @@ def save_full(
     """Gather the module and optimizers (a collective) and, on rank 0, write one file atomically, in Fabric's layout:
     the user's keys hold the full state dicts, ``FABRIC_KEY`` the names our loaders need.
 
+    ``ckpt["model"]`` is the model's full state dict (plain tensors: ``torch.load(path, weights_only=True)`` reads it
+    and ``model.load_state_dict`` of the unsharded model takes it, LitGPT's ``ckpt.get("model", ckpt)`` too),
+    ``ckpt["optimizer"]`` the optimizer's full state keyed by parameter name as Lightning's Fabric FSDP writes it
+    (``Optimizer.load_state_dict`` of the unsharded model takes it as well), every other entry as given. What our
+    loaders need -- which key is the module, which are the optimizers, the Lightning version -- lies under
+    ``FABRIC_KEY`` (``"_lightning_fsdp"``), so a Trainer's ``ckpt_path=`` and ``lightning-fsdp convert`` read the file
+    too.
+
     The caller has checked the destination on rank 0 and shared the verdict, so no rank gathers for a refused save.
     """
     _refuse_optimizer_filter(parts, filter)
@@ -149,7 +149,10 @@ def load_into(
     """Load a full file or a sharded folder into ``parts``; return the entries nobody asked for.
 
     The requested metadata entries are put into ``parts.others``' owner by the caller (see ``restore_metadata``).
-    ``path`` may be an fsspec URL: a prefix is read range by range, an object downloaded once per host.
+    ``path`` may be an fsspec URL: a prefix is read range by range, an object downloaded once per host. Besides
+    ``fabric.save``'s two forms it reads the full files of the older layout (the Trainer's keys ``state_dict`` /
+    ``optimizer_states``, the names recorded under ``lightning_fsdp.fabric``), a Trainer's checkpoints, and a full
+    file in Fabric's plain layout without our record (what ``Fabric(strategy="ddp")`` saves).
     """
     fabric_layout = False
     kind = _kind(path, storage_options)

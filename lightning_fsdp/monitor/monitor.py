@@ -1,23 +1,7 @@
 """``FSDPMonitor``: where a sharded run's step and memory go, every few steps, for the Trainer and for Fabric.
 
-[Note: fsdp_monitor.jsonl] The file ``lightning-fsdp report`` reads; rank 0 writes it, one JSON object per line, each
-flushed as written. Keep the fields; add new ones only with a new ``version``.
-
-- first, ``{"kind": "run", "version": 1, "world_size", "hosts"`` (each rank's host identity, see
-  ``engine/transport/hosts.py``)``, "units"`` (the engine's unit names, parents first)``, "parameters"`` (the model's
-  count, unsharded)``, "estimate_bytes_per_rank"`` (``estimate_memory``'s peak, plus what it puts in CPU memory when
-  the device is the CPU; null when the engine does not shard the model)``, "device"`` ("cpu" | "cuda")``,
-  "every_n_steps", "flops_per_sample", "peak_flops", "started"`` (unix time)``}``;
-- every interval, ``{"kind": "interval", "step"`` (the global step it ends at)``, "steps"`` (optimizer steps it
-  covers)``, "time", "ranks": [{"rank", "step_s", "compute_s", "exposed_comm_s", "peer_wait_s"`` (seconds, means per
-  step)``, "peak_bytes", "resident_bytes", "limit_bytes", "samples_per_s", "tokens_per_s"}, ...]`` (one per rank, in
-  rank order)``, "units": {name: {"gathered_bytes", "reduced_bytes"}}`` (every unit; per step, summed over ranks)``,
-  "transports": {key: {...}}`` (the same, by transport key of ``engine/step_stats.TRANSPORT_KEYS``; only those that
-  moved bytes)``, "straggler": {"rank", "slower_by_s", "slower_by"}`` (the rank with the longest compute, by how much
-  longer than the shortest, in seconds and as a fraction of the fastest rank's step)``, "samples_per_s",
-  "tokens_per_s"`` (the job's: summed over ranks; null if unknown)``, "mfu"}`` (null unless configured);
-- a warning, ``{"kind": "warning", "step", "code"`` ("exposed_communication" | "straggler" | "memory")``,
-  "message"}``, at most once per code.
+Rank 0 logs the metrics of ``METRICS`` through the loggers and writes every interval to ``fsdp_monitor.jsonl``, the
+file ``lightning-fsdp report`` reads; its fields are in [Note: fsdp_monitor.jsonl] above ``FILE_NAME``.
 """
 
 from __future__ import annotations
@@ -51,6 +35,24 @@ log = logging.getLogger("lightning_fsdp.monitor")
 # torch 2.13 renamed the flat-tensor all-gather; older releases only have the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+# [Note: fsdp_monitor.jsonl] The file ``lightning-fsdp report`` reads; rank 0 writes it, one JSON object per line, each
+# flushed as written. Keep the fields; add new ones only with a new ``version``.
+#
+# - first, ``{"kind": "run", "version": 1, "world_size", "hosts"`` (each rank's host identity, see
+#   ``engine/transport/hosts.py``)``, "units"`` (the engine's unit names, parents first)``, "parameters"`` (the model's
+#   count, unsharded)``, "estimate_bytes_per_rank"`` (``estimate_memory``'s peak, plus what it puts in CPU memory when
+#   the device is the CPU; null when the engine does not shard the model)``, "device"`` ("cpu" | "cuda")``,
+#   "every_n_steps", "flops_per_sample", "peak_flops", "started"`` (unix time)``}``;
+# - every interval, ``{"kind": "interval", "step"`` (the global step it ends at)``, "steps"`` (optimizer steps it
+#   covers)``, "time", "ranks": [{"rank", "step_s", "compute_s", "exposed_comm_s", "peer_wait_s"`` (seconds, means per
+#   step)``, "peak_bytes", "resident_bytes", "limit_bytes", "samples_per_s", "tokens_per_s"}, ...]`` (one per rank, in
+#   rank order)``, "units": {name: {"gathered_bytes", "reduced_bytes"}}`` (every unit; per step, summed over ranks)``,
+#   "transports": {key: {...}}`` (the same, by transport key of ``engine/step_stats.TRANSPORT_KEYS``; only those that
+#   moved bytes)``, "straggler": {"rank", "slower_by_s", "slower_by"}`` (the rank with the longest compute, by how much
+#   longer than the shortest, in seconds and as a fraction of the fastest rank's step)``, "samples_per_s",
+#   "tokens_per_s"`` (the job's: summed over ranks; null if unknown)``, "mfu"}`` (null unless configured);
+# - a warning, ``{"kind": "warning", "step", "code"`` ("exposed_communication" | "straggler" | "memory")``,
+#   "message"}``, at most once per code.
 FILE_NAME = "fsdp_monitor.jsonl"
 FILE_VERSION = 1
 

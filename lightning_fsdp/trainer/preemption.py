@@ -1,61 +1,10 @@
 """Signals that arrive inside a training step, acted on at a batch boundary by every rank together.
 
-[Note: deferred signals] A Python signal handler runs wherever the main thread is, which during ``fit`` is nearly
-always inside ``training_step``: units gathered, this rank part-way through collectives its peers are waiting in.
-Lightning's handlers then do collective work on the spot. The SLURM requeue handler (``SLURMEnvironment(
-auto_requeue=True)``, SIGUSR1 by default) calls ``trainer.save_checkpoint``, which the engine refuses while units are
-busy ("full_state_dict was called during forward or backward"): no HPC checkpoint, no requeue, the job dies. The
-SIGTERM handler broadcasts from rank 0 while rank 0 waits for this rank inside a unit's collective: both wait until
-the process group's timeout (30 minutes by default).
-
-So for the length of ``fit`` (``FSDPStrategy.on_train_start`` installs it, ``on_train_end`` and the strategy's
-teardown remove it) the handlers Lightning installed for those two signals only record that the signal came. At the
-end of the training batches, where the units are idle and every rank passes, the ranks agree on what any of them
-received -- an all-reduce (MAX) of ``world_size + 1`` small integers, so ranks signalled at different moments agree
-too -- and then, all at the same step boundary:
-
-- the requeue signal: every rank runs Lightning's own handler (the HPC checkpoint, written collectively; then rank 0
-  runs ``scontrol requeue``), and training goes on until the scheduler stops the job;
-- SIGTERM: the ranks that received it leave with Lightning's ``SIGTERMException`` (exit status 143, a process ended
-  by SIGTERM), the others raise :class:`PeerTerminatedError` naming them. Callbacks' ``on_exception`` runs on every
-  rank at the same point, so a save there (Lightning's ``OnExceptionCheckpoint``) is collective too.
-
-[Note: agreement behind the optimizer step] A blocking all-reduce at every batch end costs the step one round trip
-through the collective's backend: on a loaded CPU host a gloo round trip takes milliseconds (measured: 3.7 ms median,
-16 ms p90 on 2 ranks over 2 busy cores), the wait for the slower rank aside. So each rank sends its flags late in the
-batch, in the background (``async_op=True``): at the batch's first ``on_before_optimizer_step``, after backward and
-before the optimizer updates the shards. It waits for the result at ``on_train_batch_end``, so the round trip runs
-while the optimizer steps (and the gradients are clipped, and zeroed), and every rank acts at the end of the batch
-the signal arrived in, on the same result. Exactly one flags all-reduce per batch on every rank, waited for at that
-batch's end, nothing in flight between batches:
-
-- A signal that lands after this rank sent its flags (inside the optimizer step, or in a manual-optimization
-  ``training_step`` after its first ``optimizer.step()``) stays recorded and goes with the next batch's flags: acted
-  on at the end of the next batch, never lost.
-- A batch without an optimizer step (the micro-batches of gradient accumulation before the last; a manual
-  optimization step that did not step) sends its flags at ``on_train_batch_end`` and waits for them there: one
-  blocking round trip on that batch, so it too acts on its own signals. (Were ranks ever to differ in whether a batch
-  stepped, each still issues its one all-reduce of the batch, at whichever point, and the two pair up.)
-- The end of training: a signal that landed after the last batch's flags were sent is agreed on at
-  ``on_train_end``, with one blocking all-reduce.
-
-``benchmarks/bench_signals.py`` measures the time left on the step: issuing the all-reduce, and the wait at the batch
-end for whatever of the round trip the optimizer step did not cover.
-
-[Note: SIGTERM in a wait that does not end] A rank that waits for a peer that never comes (stuck in its data
-loader, in a collective of its own, gone quiet) never reaches a batch end, so a SIGTERM it records would wait for the
-process group's timeout. So the handler also arms ``interrupt_waits`` (``engine/diagnostics/hang_watch.py``): a wait
-of ours that has lasted ``STUCK_WAIT_S`` (or already had when the signal came) raises ``SIGTERMException`` (exit
-status 143), and the peers see this rank leave at their next wait and stop too (``PeerExitedError``). Waits shorter
-than that end as usual, so in a healthy step the signal is still acted on at the batch end by every rank together,
-where a save in ``on_exception`` can be collective. The batch-end agreement itself waits this way too. 3 s is far
-above a healthy wait here (a unit's gather, or a peer's skew within a step) and far below SLURM's ``KillWait``
-(30 s by default) between SIGTERM and SIGKILL.
-
-What this gives up: a signal still unread when training ends is acted on at ``on_train_end`` (the requeue) or not at
-all (SIGTERM: training is done); Lightning's SIGTERM handler itself is not run (its in-handler broadcast is the hang),
-so neither is a SIGTERM handler installed before the Trainer's, which Lightning chains into it. Outside ``fit``
-(``validate``, ``test``, ``predict``) Lightning's handlers run as they are.
+During ``fit`` the handlers Lightning installs for the SLURM requeue signal and SIGTERM only record that the signal
+came; at the end of each training batch the ranks agree on what any of them received and act on it together, where
+the units are idle and a save can be collective (see [Note: deferred signals] above ``DeferredSignals``). The
+agreement runs in the background behind the optimizer step (see [Note: agreement behind the optimizer step]), and a
+SIGTERM also ends a wait for a peer that never comes (see [Note: SIGTERM in a wait that does not end]).
 """
 
 from __future__ import annotations
@@ -107,6 +56,30 @@ class Agreement(NamedTuple):
         return bool(agreed[0]), [rank for rank, flag in enumerate(agreed[1:]) if flag]
 
 
+# [Note: deferred signals] A Python signal handler runs wherever the main thread is, which during ``fit`` is nearly
+# always inside ``training_step``: units gathered, this rank part-way through collectives its peers are waiting in.
+# Lightning's handlers then do collective work on the spot. The SLURM requeue handler
+# (``SLURMEnvironment(auto_requeue=True)``, SIGUSR1 by default) calls ``trainer.save_checkpoint``, which the engine
+# refuses while units are busy ("full_state_dict was called during forward or backward"): no HPC checkpoint, no requeue,
+# the job dies. The SIGTERM handler broadcasts from rank 0 while rank 0 waits for this rank inside a unit's collective:
+# both wait until the process group's timeout (30 minutes by default).
+#
+# So for the length of ``fit`` (``FSDPStrategy.on_train_start`` installs it, ``on_train_end`` and the strategy's
+# teardown remove it) the handlers Lightning installed for those two signals only record that the signal came. At the
+# end of the training batches, where the units are idle and every rank passes, the ranks agree on what any of them
+# received -- an all-reduce (MAX) of ``world_size + 1`` small integers, so ranks signalled at different moments agree
+# too -- and then, all at the same step boundary:
+#
+# - the requeue signal: every rank runs Lightning's own handler (the HPC checkpoint, written collectively; then rank 0
+#   runs ``scontrol requeue``), and training goes on until the scheduler stops the job;
+# - SIGTERM: the ranks that received it leave with Lightning's ``SIGTERMException`` (exit status 143, a process ended by
+#   SIGTERM), the others raise :class:`PeerTerminatedError` naming them. Callbacks' ``on_exception`` runs on every rank
+#   at the same point, so a save there (Lightning's ``OnExceptionCheckpoint``) is collective too.
+#
+# What this gives up: a signal still unread when training ends is acted on at ``on_train_end`` (the requeue) or not at
+# all (SIGTERM: training is done); Lightning's SIGTERM handler itself is not run (its in-handler broadcast is the hang),
+# so neither is a SIGTERM handler installed before the Trainer's, which Lightning chains into it. Outside ``fit``
+# (``validate``, ``test``, ``predict``) Lightning's handlers run as they are.
 class DeferredSignals(Callback):
     """Records the requeue signal and SIGTERM during ``fit`` and acts on them at batch ends, on every rank together.
 
@@ -148,11 +121,40 @@ class DeferredSignals(Callback):
         if self in self._trainer.callbacks:
             self._trainer.callbacks.remove(self)
 
+    # [Note: SIGTERM in a wait that does not end] A rank that waits for a peer that never comes (stuck in its data
+    # loader, in a collective of its own, gone quiet) never reaches a batch end, so a SIGTERM it records would wait for
+    # the process group's timeout. So the handler also arms ``interrupt_waits`` (``engine/diagnostics/hang_watch.py``):
+    # a wait of ours that has lasted ``STUCK_WAIT_S`` (or already had when the signal came) raises ``SIGTERMException``
+    # (exit status 143), and the peers see this rank leave at their next wait and stop too (``PeerExitedError``). Waits
+    # shorter than that end as usual, so in a healthy step the signal is still acted on at the batch end by every rank
+    # together, where a save in ``on_exception`` can be collective. The batch-end agreement itself waits this way too.
+    # ``STUCK_WAIT_S`` is far above a healthy wait here (a unit's gather, or a peer's skew within a step) and far below
+    # SLURM's ``KillWait`` (30 s by default) between SIGTERM and SIGKILL.
     def _record(self, signum: int, frame: FrameType | None) -> None:
         self._received.add(signum)  # little else here: this runs in the middle of whatever the main thread does
         if signum == signal.SIGTERM:  # see [Note: SIGTERM in a wait that does not end]
             interrupt_waits(SIGTERMException(SIGTERM_EXIT_STATUS), after_waiting_s=STUCK_WAIT_S)
 
+    # [Note: agreement behind the optimizer step] A blocking all-reduce at every batch end would cost the step one round
+    # trip through the collective's backend, which on a loaded CPU host takes milliseconds, the wait for the slower rank
+    # aside. So each rank sends its flags late in the batch, in the background (``async_op=True``): at the batch's first
+    # ``on_before_optimizer_step``, after backward and before the optimizer updates the shards. It waits for the result
+    # at ``on_train_batch_end``, so the round trip runs while the optimizer steps (and the gradients are clipped, and
+    # zeroed), and every rank acts at the end of the batch the signal arrived in, on the same result. Exactly one flags
+    # all-reduce per batch on every rank, waited for at that batch's end, nothing in flight between batches:
+    #
+    # - A signal that lands after this rank sent its flags (inside the optimizer step, or in a manual-optimization
+    #   ``training_step`` after its first ``optimizer.step()``) stays recorded and goes with the next batch's flags:
+    #   acted on at the end of the next batch, never lost.
+    # - A batch without an optimizer step (the micro-batches of gradient accumulation before the last; a manual
+    #   optimization step that did not step) sends its flags at ``on_train_batch_end`` and waits for them there: one
+    #   blocking round trip on that batch, so it too acts on its own signals. (Were ranks ever to differ in whether a
+    #   batch stepped, each still issues its one all-reduce of the batch, at whichever point, and the two pair up.)
+    # - The end of training: a signal that landed after the last batch's flags were sent is agreed on at
+    #   ``on_train_end``, with one blocking all-reduce.
+    #
+    # ``benchmarks/bench_signals.py`` measures what is left on the step: issuing the all-reduce, and the wait at the
+    # batch end for whatever of the round trip the optimizer step did not cover.
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

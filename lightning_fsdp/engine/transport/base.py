@@ -1,23 +1,9 @@
 """One interface for a unit's collectives, whatever moves the bytes: ``all_gather``, ``reduce_scatter`` and
 ``all_reduce``, each returning a ``Pending`` whose ``wait`` gives the same shape on every transport.
 
-[Note: one transport per group] A root chooses, at its lazy init and on every rank alike, one transport for each
-process group its units use (``choose_transport``) and logs once which one and why no faster one was available:
-
-- ``SharedMemoryTransport`` (``shm/``): CPU ranks of one host; the data goes through shared memory and gloo only
-  synchronises. The fastest on one host.
-- ``GlooTransport`` (``gloo.py``): CPU ranks anywhere (between hosts, or with shared memory switched off).
-- ``NcclTransport`` (``nccl.py``): CUDA ranks; its own all-gather and reduce-scatter streams, ordered by events.
-
-What a collective's ``wait`` returns:
-
-- ``all_gather(shards)``: one 1-D block per rank of the group, in group rank order: the packed shards that rank
-  sent. Valid until ``release``, which gives the memory back to the transport.
-- ``reduce_scatter(grads)``: this rank's row of the sum over ranks, a 1-D tensor of its own (it becomes ``.grad``).
-- ``all_reduce(grads)``: the sum over ranks of the packed tensors, a 1-D tensor of its own.
-
-Each transport owns the buffer pool of its temporaries (see [Note: why pool on CPU] in ``buffers.py``) and carries
-every collective's ``Stamp`` with its data (see [Note: collective identity] in ``identity.py``). Collectives whose data
+A root chooses one ``Transport`` per process group (see [Note: one transport per group] above ``Transport``). Each
+transport owns the buffer pool of its temporaries (see [Note: why pool on CPU] in ``buffers.py``) and carries every
+collective's ``Stamp`` with its data (see [Note: collective identity] in ``identity.py``). Collectives whose data
 never reaches a ``torch.distributed`` op (shared memory) are announced to the hooks of ``add_collective_hook``, which
 is how ``comm_stats.CollectiveCounter`` counts them: no call into the statistics in the hot path.
 """
@@ -137,6 +123,20 @@ class Pending(Generic[Result]):
             release()
 
 
+# [Note: one transport per group] A root chooses, at its lazy init and on every rank alike, one transport for each
+# process group its units use (``choose_transport``) and logs once which one and why no faster one was available:
+#
+# - ``SharedMemoryTransport`` (``shm/``): CPU ranks of one host; the data goes through shared memory and gloo only
+#   synchronises. The fastest on one host.
+# - ``GlooTransport`` (``gloo.py``): CPU ranks anywhere (between hosts, or with shared memory switched off).
+# - ``NcclTransport`` (``nccl.py``): CUDA ranks; its own all-gather and reduce-scatter streams, ordered by events.
+#
+# What a collective's ``wait`` returns:
+#
+# - ``all_gather(shards)``: one 1-D block per rank of the group, in group rank order: the packed shards that rank sent.
+#   Valid until ``release``, which gives the memory back to the transport.
+# - ``reduce_scatter(grads)``: this rank's row of the sum over ranks, a 1-D tensor of its own (it becomes ``.grad``).
+# - ``all_reduce(grads)``: the sum over ranks of the packed tensors, a 1-D tensor of its own.
 class Transport(ABC):
     """The collectives of the units of one root over one process group (``None``: one rank, nothing exchanged).
 

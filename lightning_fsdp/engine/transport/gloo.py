@@ -1,71 +1,12 @@
 """The collectives of CPU ranks over gloo's asynchronous work handles: the transport between hosts.
 
-[Note: reduce-scatter on gloo] gloo implements ``reduce_scatter_tensor`` as an all-reduce of the whole input plus
-copies, moving twice the bytes a reduce-scatter needs. An ``all_to_all_single`` that sends rank r the r-th slice
-of every rank's input, followed by a local sum, moves exactly the reduce-scatter minimum ((W - 1)/W of the
-input per rank) and runs asynchronously on gloo's worker threads, so on gloo we build the reduce-scatter that way.
-
-[Note: stamps in the frames] Every rank's part of a collective is a *frame*: the data, then the collective's stamp
-(``STAMP_BYTES``; see [Note: collective identity] in ``identity.py``). An all-gather and an all-to-all move raw bytes,
-so the frames travel as uint8 and the data is viewed in its dtype on both sides; after the wait every rank compares
-the stamps it received with its own. An all-reduce sums, so it carries the stamp's digest bits instead. The check
-costs a few bytes per collective, not a collective of its own.
-
-[Note: chunks over gloo] A reduce-scatter on one host whose buffers would exceed ``chunk_limit()`` (a language
-model's root: its embedding and head) runs as a series of collectives of at most that many bytes each, every chunk a
-frame with its stamp, summed straight into the result. (A unit's gather needs no buffer of its own at all: see
-[Note: gathers point to point].) At most ``PIPELINE`` chunks are in flight, the next one packed while gloo's
-threads move the one before, and their buffers come back to the pool for the next chunk, so a collective's
-temporaries are a few chunks whatever the unit's size, where whole-unit buffers were held by the pool until the end of
-the step (measured on the benchmark model with its 8192-token vocabulary: 1.76 x DDP's peak memory in a step). The
-chunks left in flight when the collective is issued finish in its ``wait``, behind compute.
-
-[Note: chunks between hosts] Across a link, that bound costs what it saves: the issuing rank waits for the link to land
-a chunk before it may launch the next one, and a gloo pair with one message in flight at a time moves far less than the
-link's rate (measured on a simulated 1 Gbit/s NIC: ``benchmarks/history.md``). So a transport between hosts
-(``between_hosts``) launches every chunk of an all-reduce, and every message of a gather or reduce-scatter, when it is
-issued, each on gloo's threads: the training thread never waits on the link at issue, and the link always has a queue.
-Its buffers are the collective's size, as they would be whole.
-
-[Note: gathers point to point] gloo's all-gather receives into a flat tensor of its own and copies it into the output,
-which we then unpack into each parameter's rows: two copies of the whole unit on top of the packing, on 2 cores shared
-by 2 ranks (measured on a 12.6 MB block, 2 ranks: 13 ms of CPU a gather against 5 ms as below). Point-to-point
-messages land where the receiver says: each rank sends every parameter's shard as it is to every peer (in pieces of
-at most ``chunk_limit()`` bytes, so a language model's embedding never travels as one message) and receives each
-peer's straight into that peer's row of the unsharded buffer. The bytes per rank are a ring's ((W - 1)/W of the unit),
-nothing is packed or unpacked, and every message is in flight at once, which keeps a link's queue full. Receives are
-posted before sends: gloo sends a message only once its receiver has said it is ready, and that notice travels on the
-same connection as this rank's own data, so posted after the sends it would wait behind them and the two directions
-of the link would take turns (measured at 1 Gbit/s, 2 hosts x 1 rank: 1.20 x DDP's step, 1.10 with receives first).
-Under mixed precision the shards are packed once, cast, and the own row copied from the cast; rows of a wider dtype
-than the wire (``CrossHostPrecision``) arrive in a buffer and are cast where they are unpacked.
-
-The messages' tag is the collective's identity (``Stamp.tag``), so a message can only be received by the same collective
-on its peer: gloo aborts the process when a message is longer than the buffer posted for it, and fills a longer one only
-in part, silently. A point-to-point work of gloo cannot be waited for in slices, though: ``is_completed`` stays False
-until it is waited for, and a wait whose timeout passes closes the connection to the peer. So the ranks' stamps travel
-beside the messages in an all-gather of their own (32 bytes a rank), the wait that ``wait_work`` polls, interrupts and
-explains; once it is over every rank is in this collective (or has raised ``CollectiveMismatchError``), its messages are
-on their way, and they are waited for outright. The gather is announced to the collective hooks as the one all-gather it
-stands for; its messages and the stamps' gather are not counted (``messages_of_a_collective``).
-
-[Note: reductions between hosts point to point] A reduce-scatter between hosts is messages too, tagged and stamped as
-above: each rank sends its peer r the r-th row of every gradient, straight from the gradient (a zero-padded copy where
-the row is short), and receives every peer's row of its own into one buffer; its own row is then added from the gradient
-itself, as shared memory does (see [Note: the own row stays in the gradient] in ``packing.py``). No send buffer of W
-rows is packed; under a wire narrower than the gradient, or a division before the sum, every row is packed once, cast
-and divided in that copy, and the own row is summed from it, rounded as the others are, so that the gradients can go at
-once. On one host gloo keeps its framed all-to-all in bounded chunks: there the chunks' memory bound matters more than a
-copy (see [Note: chunks over gloo]); between hosts the buffers were the collective's size anyway.
-
-[Note: an embedding's rows in a reduce-scatter] An untied embedding's gradient is zero in every row no token of the
-step looked up (see [Note: an embedding's rows between hosts] in ``sparse_rows.py``, HYBRID's side of it), and in
-FULL_SHARD between hosts it is the last reduction of backward, which nothing hides. So such a gradient
-(``RankRows.row_numel``) goes in two exchanges: its one byte a row of marks (non-zero rows) rides in the stamps' gather
-of the first, beside the other gradients' messages; once that is over every rank knows the union of the rows touched
-anywhere, and the second exchange sends each peer only the union's rows of its row, straight into the peer's arrived
-buffer, whose other rows are zero on every rank. The sum is then the same as the dense one, to the bit. On the
-benchmark model (128 tokens a step, 8192 rows) that is 2% of the embedding's 8 MB a rank.
+Every rank's part of a collective travels with the collective's stamp, checked after the wait (see
+[Note: stamps in the frames]). On one host a reduce-scatter is an all-to-all plus a local sum, a large one in bounded
+chunks; a unit's gather, and between hosts (``between_hosts``) a reduce-scatter too, is point-to-point messages
+received straight where they belong, all in flight at once, so that a link always has a queue. Each of these has its
+Note beside the code below: [Note: reduce-scatter on gloo], [Note: chunks over gloo], [Note: chunks between hosts],
+[Note: gathers point to point], [Note: reductions between hosts point to point] and
+[Note: an embedding's rows in a reduce-scatter].
 """
 
 from __future__ import annotations
@@ -106,6 +47,11 @@ class SparseRows(NamedTuple):
     from_peers: dict[int, torch.Tensor]
 
 
+# [Note: stamps in the frames] Every rank's part of a collective is a *frame*: the data, then the collective's stamp
+# (``STAMP_BYTES``; see [Note: collective identity] in ``identity.py``). An all-gather and an all-to-all move raw bytes,
+# so the frames travel as uint8 and the data is viewed in its dtype on both sides; after the wait every rank compares
+# the stamps it received with its own. An all-reduce sums, so it carries the stamp's digest bits instead. The check
+# costs a few bytes per collective, not a collective of its own.
 class GlooTransport(Transport):
     """All-gather and all-to-all over gloo's worker threads, which overlap the training thread's compute."""
 
@@ -144,6 +90,27 @@ class GlooTransport(Transport):
 
         return Pending(finish, release)
 
+    # [Note: gathers point to point] gloo's all-gather receives into a flat tensor of its own and copies it into the
+    # output, which we then unpack into each parameter's rows: two copies of the whole unit on top of the packing, on
+    # cores the ranks compute on. Point-to-point messages land where the receiver says: each rank sends every
+    # parameter's shard as it is to every peer (in pieces of at most ``chunk_limit()`` bytes, so a language model's
+    # embedding never travels as one message) and receives each peer's straight into that peer's row of the unsharded
+    # buffer. The bytes per rank are a ring's ((W - 1)/W of the unit), nothing is packed or unpacked, and every message
+    # is in flight at once, which keeps a link's queue full. Receives are posted before sends: gloo sends a message only
+    # once its receiver has said it is ready, and that notice travels on the same connection as this rank's own data, so
+    # posted after the sends it would wait behind them and the two directions of the link would take turns. Under mixed
+    # precision the shards are packed once, cast, and the own row copied from the cast; rows of a wider dtype than the
+    # wire (``CrossHostPrecision``) arrive in a buffer and are cast where they are unpacked.
+    #
+    # The messages' tag is the collective's identity (``Stamp.tag``), so a message can only be received by the same
+    # collective on its peer: gloo aborts the process when a message is longer than the buffer posted for it, and fills
+    # a longer one only in part, silently. A point-to-point work of gloo cannot be waited for in slices, though:
+    # ``is_completed`` stays False until it is waited for, and a wait whose timeout passes closes the connection to the
+    # peer. So the ranks' stamps travel beside the messages in an all-gather of their own (32 bytes a rank), the wait
+    # that ``wait_work`` polls, interrupts and explains; once it is over every rank is in this collective (or has raised
+    # ``CollectiveMismatchError``), its messages are on their way, and they are waited for outright. The gather is
+    # announced to the collective hooks as the one all-gather it stands for; its messages and the stamps' gather are not
+    # counted (``messages_of_a_collective``).
     def all_gather_into(
         self, shards: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, dests: list[torch.Tensor]
     ) -> Pending[None]:
@@ -200,7 +167,7 @@ class GlooTransport(Transport):
                 works += [group.recv([piece], peer, tag) for piece in _pieces(tensors)]
             for peer, tensors in outgoing.items():
                 works += [group.send([piece], peer, tag) for piece in _pieces(tensors)]
-            # The stamps, by a collective: the one wait here that can be polled (see the Note).
+            # The stamps, by a collective: the one wait here that can be polled (see [Note: gathers point to point]).
             extra = 0 if beside is None else beside.numel()
             identities = torch.empty(self.world_size, STAMP_BYTES + extra, dtype=torch.uint8)
             mine = torch.zeros(STAMP_BYTES + extra, dtype=torch.uint8)
@@ -270,6 +237,10 @@ class GlooTransport(Transport):
         self._untagged = (self._untagged + 1) % UNSTAMPED_TAGS
         return self._untagged
 
+    # [Note: reduce-scatter on gloo] gloo implements ``reduce_scatter_tensor`` as an all-reduce of the whole input plus
+    # copies, moving twice the bytes a reduce-scatter needs. An ``all_to_all_single`` that sends rank r the r-th slice
+    # of every rank's input, followed by a local sum, moves exactly the reduce-scatter minimum ((W - 1)/W of the input
+    # per rank) and runs asynchronously on gloo's worker threads, so on gloo we build the reduce-scatter that way.
     def reduce_scatter(
         self, grads: list[RankRows], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:
@@ -318,6 +289,16 @@ class GlooTransport(Transport):
 
         return Pending(finish)
 
+    # [Note: reductions between hosts point to point] A reduce-scatter between hosts is messages too, tagged and stamped
+    # as in [Note: gathers point to point]: each rank sends its peer r the r-th row of every gradient, straight from the
+    # gradient (a zero-padded copy where the row is short), and receives every peer's row of its own into one buffer;
+    # its own row is then added from the gradient itself, as shared memory does (see
+    # [Note: the own row stays in the gradient] in ``packing.py``). No send buffer of W rows is packed; under a wire
+    # narrower than the gradient, or a division before the sum, every row is packed once, cast and divided in that copy,
+    # and the own row is summed from it, rounded as the others are, so that the gradients can go at once. On one host
+    # gloo keeps its framed all-to-all in bounded chunks: there the chunks' memory bound matters more than a copy (see
+    # [Note: chunks over gloo]); between hosts the buffers are the collective's size anyway (see
+    # [Note: chunks between hosts]).
     def _reduce_scatter_point_to_point(
         self,
         grads: list[RankRows],
@@ -383,6 +364,14 @@ class GlooTransport(Transport):
 
         return Pending(finish)
 
+    # [Note: an embedding's rows in a reduce-scatter] An untied embedding's gradient is zero in every row no token of
+    # the step looked up (see [Note: an embedding's rows between hosts] in ``sparse_rows.py``, HYBRID's side of it), and
+    # in FULL_SHARD between hosts it is the last reduction of backward, which nothing hides. So such a gradient
+    # (``RankRows.row_numel``) goes in two exchanges: its one byte a row of marks (non-zero rows) rides in the stamps'
+    # gather of the first, beside the other gradients' messages; once that is over every rank knows the union of the
+    # rows touched anywhere, and the second exchange sends each peer only the union's rows of its row, straight into the
+    # peer's arrived buffer, whose other rows are zero on every rank. The sum is then the same as the dense one, to the
+    # bit, and only the rows a step touched cross the link.
     def _exchange_touched_rows(
         self, sparse: list[SparseRows], union: torch.Tensor, dtype: torch.dtype, stamp: Stamp | None
     ) -> None:
@@ -400,6 +389,13 @@ class GlooTransport(Transport):
                 lands.setdefault(peer, []).append((part.from_peers[peer].view(-1, part.row_numel).zero_(), mine))
         self._exchange_rows(sends, lands, dtype, stamp)
 
+    # [Note: chunks over gloo] A reduce-scatter on one host whose buffers would exceed ``chunk_limit()`` (a language
+    # model's root: its embedding and head) runs as a series of collectives of at most that many bytes each, every chunk
+    # a frame with its stamp, summed straight into the result. (A unit's gather needs no buffer of its own at all: see
+    # [Note: gathers point to point].) At most ``PIPELINE`` chunks are in flight, the next one packed while gloo's
+    # threads move the one before, and their buffers come back to the pool for the next chunk, so a collective's
+    # temporaries are a few chunks whatever the unit's size, rather than whole-unit buffers held by the pool until the
+    # end of the step. The chunks left in flight when the collective is issued finish in its ``wait``, behind compute.
     def _reduce_scatter_chunked(
         self,
         grads: list[RankRows],
@@ -449,6 +445,12 @@ class GlooTransport(Transport):
 
         return Pending(finish)
 
+    # [Note: chunks between hosts] Across a link, the bound of [Note: chunks over gloo] costs what it saves: the issuing
+    # rank waits for the link to land a chunk before it may launch the next one, and a gloo pair with one message in
+    # flight at a time moves far less than the link's rate (``benchmarks/history.md``). So a transport between hosts
+    # (``between_hosts``) launches every chunk of an all-reduce, and every message of a gather or reduce-scatter, when
+    # it is issued, each on gloo's threads: the training thread never waits on the link at issue, and the link always
+    # has a queue. Its buffers are the collective's size, as they would be whole.
     def all_reduce(
         self, grads: list[torch.Tensor], dtype: torch.dtype, stamp: Stamp | None, divide_by: int | None = None
     ) -> Pending[torch.Tensor]:

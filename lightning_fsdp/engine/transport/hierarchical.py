@@ -1,25 +1,10 @@
 """Collectives over ranks on several hosts in two stages: shared memory inside each host, one exchange between hosts.
 
-[Note: two stages] A flat ring over all W ranks of H hosts sends 2(W-1)/W of the data through each host's NIC. With
-L ranks a host, numbered host after host (group rank ``h * L + l``), each collective instead runs as
-
-- all-gather: first between hosts, over this rank's *column* (rank ``l`` of every host), each rank its own shard,
-  so that the column holds the rows of all its H ranks; then inside the host, over shared memory, those H blocks of
-  every rank of the host: every rank has all W shards. Per host, (H-1)/H of the unit crosses the link.
-- reduce-scatter: first inside the host (shared memory), where rank ``l`` receives the host's sum of the rows of
-  its column (rows ``h * L + l`` for every h); then between hosts, over the column, a reduce-scatter of those H
-  rows, which leaves rank ``h * L + l`` its own row summed over every rank. (H-1)/H of the gradient a host.
-- all-reduce (NO_SHARD over several hosts): a reduce-scatter inside the host, an all-reduce of each rank's 1/L of
-  it over its column, an all-gather inside the host.
-
-So a host sends 2(H-1)/H of the data per gather and reduction pair, whatever L. Each stage carries the collective's
-stamp, so a rank in another collective is named in either. The stage between hosts runs on gloo's threads behind
-compute: a gather's starts when it is issued (the host stage is in its wait), a reduction's as soon as the host
-stage ends, which, in shared memory, is when its call returns.
-
-[Note: resharded to the host] What a gather's first stage leaves -- the rows of this rank's column -- is 1/L of the
-unit: the host's ranks together hold all of it. ``reshard_after_forward=L`` (FSDP2's int form) keeps those rows from
-forward to backward, so backward gathers the full parameters inside the host only and nothing crosses the link.
+A flat ring over all W ranks of H hosts sends 2(W-1)/W of the data through each host's NIC. Run in two stages, inside
+each host (shared memory) and between hosts over each rank's *column* (rank ``l`` of every host, over gloo), a host
+sends 2(H-1)/H of the data per gather and reduction pair, however many ranks it has (see [Note: two stages] above
+``HierarchicalTransport``). A unit may keep what a gather's first stage leaves from forward to backward, so that
+backward gathers inside the host only (see [Note: resharded to the host]).
 """
 
 from __future__ import annotations
@@ -55,6 +40,22 @@ def subgroup(parent: ProcessGroup, group_ranks: tuple[int, ...]) -> ProcessGroup
     return made[ranks]
 
 
+# [Note: two stages] A flat ring over all W ranks of H hosts sends 2(W-1)/W of the data through each host's NIC. With L
+# ranks a host, numbered host after host (group rank ``h * L + l``), each collective instead runs as
+#
+# - all-gather: first between hosts, over this rank's *column* (rank ``l`` of every host), each rank its own shard, so
+#   that the column holds the rows of all its H ranks; then inside the host, over shared memory, those H blocks of every
+#   rank of the host: every rank has all W shards. Per host, (H-1)/H of the unit crosses the link.
+# - reduce-scatter: first inside the host (shared memory), where rank ``l`` receives the host's sum of the rows of its
+#   column (rows ``h * L + l`` for every h); then between hosts, over the column, a reduce-scatter of those H rows,
+#   which leaves rank ``h * L + l`` its own row summed over every rank. (H-1)/H of the gradient a host.
+# - all-reduce (NO_SHARD over several hosts): a reduce-scatter inside the host, an all-reduce of each rank's 1/L of it
+#   over its column, an all-gather inside the host.
+#
+# So a host sends 2(H-1)/H of the data per gather and reduction pair, whatever L. Each stage carries the collective's
+# stamp, so a rank in another collective is named in either. The stage between hosts runs on gloo's threads behind
+# compute: a gather's starts when it is issued (the host stage is in its wait), a reduction's as soon as the host stage
+# ends, which, in shared memory, is when its call returns.
 class HierarchicalTransport(Transport):
     """``inside``: this rank's host (shared memory where it can map it); ``across``: its column, gloo between hosts."""
 
@@ -131,6 +132,10 @@ class HierarchicalTransport(Transport):
 
         return Pending(finish)
 
+    # [Note: resharded to the host] What a gather's first stage leaves -- the rows of this rank's column -- is 1/L of
+    # the unit: the host's ranks together hold all of it. ``reshard_after_forward=L`` (FSDP2's int form) keeps those
+    # rows from forward to backward, so backward gathers the full parameters inside the host only and nothing crosses
+    # the link.
     def all_gather_to_host(
         self,
         shards: list[torch.Tensor],

@@ -1,20 +1,9 @@
 """The identity of every unit collective -- a sequence number, a kind, a byte count, the unit's name -- checked on
 every rank before the data is trusted.
 
-[Note: collective identity] Ranks must issue the same collectives in the same order. When they do not (a unit run on
-one rank only, a branch taken on some ranks), a shared-memory collective would still complete -- its counters only
-count uses of a slot -- and read whatever the other rank's slot held, and a gloo collective of equal size would
-complete with another unit's data. So every collective of a unit carries a ``Stamp``, and it travels with the data:
-no collective of its own. Over shared memory it is written into the slot's header before the counter that publishes
-the data and compared with every other rank's header after it. Over gloo and NCCL it is a few extra bytes at the end
-of what each rank sends (``frame``): an all-gather or all-to-all delivers every rank's stamp whole, compared after
-the wait; a summing collective (all-reduce, NCCL's reduce-scatter) delivers the sum, so it carries the stamp's
-``digest`` as ``DIGEST_BITS`` elements of 0 or 1, whose sum is 0 or W on every rank exactly when every rank sent the
-same bits (any disagreeing bit sums to something in between, so every rank sees it).
-
-A mismatch raises ``CollectiveMismatchError`` on every rank that sees it, naming the units each rank was in. Its
-limit: collectives of different sizes cannot complete over gloo or NCCL, so such a mismatch ends in the backend's
-own error (or its timeout) before any stamp is read. ``benchmarks/bench_checks.py`` measures the cost.
+Every collective of a unit carries a ``Stamp`` with its data, not in a collective of its own, and every rank compares
+the stamps it receives with its own (see [Note: collective identity] above ``Stamp``). A mismatch raises
+``CollectiveMismatchError`` on every rank that sees it, naming the units each rank was in.
 """
 
 from __future__ import annotations
@@ -65,6 +54,20 @@ _ADVICE = (
 )
 
 
+# [Note: collective identity] Ranks must issue the same collectives in the same order. When they do not (a unit run on
+# one rank only, a branch taken on some ranks), a shared-memory collective would still complete -- its counters only
+# count uses of a slot -- and read whatever the other rank's slot held, and a gloo collective of equal size would
+# complete with another unit's data. So every collective of a unit carries a ``Stamp``, and it travels with the data: no
+# collective of its own. Over shared memory it is written into the slot's header before the counter that publishes the
+# data and compared with every other rank's header after it. Over gloo and NCCL it is a few extra bytes at the end of
+# what each rank sends (``frame``): an all-gather or all-to-all delivers every rank's stamp whole, compared after the
+# wait; a summing collective (all-reduce, NCCL's reduce-scatter) delivers the sum, so it carries the stamp's ``digest``
+# as ``DIGEST_BITS`` elements of 0 or 1, whose sum is 0 or W on every rank exactly when every rank sent the same bits
+# (any disagreeing bit sums to something in between, so every rank sees it).
+#
+# A mismatch raises ``CollectiveMismatchError`` on every rank that sees it, naming the units each rank was in. Its
+# limit: collectives of different sizes cannot complete over gloo or NCCL, so such a mismatch ends in the backend's own
+# error (or its timeout) before any stamp is read. ``benchmarks/bench_checks.py`` measures the cost.
 class Stamp:
     """One collective's identity as this rank issues it."""
 

@@ -1,24 +1,9 @@
 """The collectives of CUDA ranks: NCCL's flat all-gather and reduce-scatter on streams of their own.
 
-[Note: streams and the free discipline] As in torch FSDP2, communication runs on two side streams so that it
-overlaps the compute stream, ordered by events rather than by synchronising the host:
-
-- All-gather: the gather stream first waits for the compute stream (the optimizer wrote the shards there), then
-  packs the shards (the copy-in runs on the gather stream, off the compute stream) and gathers into an output it
-  allocated, and records an event. ``wait`` makes the compute stream wait for that event; the caller copies out on
-  the compute stream. The send and output buffers belong to the gather stream's memory pool, so they must not be
-  freed (and reused by the next gather) while the compute stream still reads them: ``release`` records an event on
-  the compute stream after the copy-out, and the *next* all-gather makes the gather stream wait for it before
-  dropping the buffers. No ``record_stream``, whose frees are deferred by the allocator until the host syncs.
-- Reduce-scatter and all-reduce: the gradients are packed on the compute stream (where autograd produced them), so
-  they can be freed as soon as the packing is issued; the reduce stream waits for the compute stream, reduces, and
-  records an event. The send buffer and the output were allocated on the compute stream and the pending
-  collective keeps them alive until ``wait`` has made the compute stream wait for the event: every later use or
-  free of them on the compute stream is ordered after the collective.
-
-Stamps travel in the frames as on gloo (see [Note: stamps in the frames] in ``gloo.py``; the reduce-scatter sums, so
-it carries the digest bits), but reading them would synchronise the host with the device at every collective, so
-they are checked once per step, in ``end_step``.
+Communication runs on two side streams, ordered against the compute stream by events rather than by synchronising the
+host (see [Note: streams and the free discipline] above ``NcclTransport``). Stamps travel in the frames as on gloo (see
+[Note: stamps in the frames] in ``gloo.py``; the reduce-scatter sums, so it carries the digest bits), but reading them
+would synchronise the host with the device at every collective, so they are checked once per step, in ``end_step``.
 
 Without CUDA (a gloo group on CPU) the same code runs with no side streams: that is how its data path is tested on
 machines without a GPU.
@@ -43,6 +28,21 @@ from lightning_fsdp.engine.transport.packing import RankRows
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# [Note: streams and the free discipline] As in torch FSDP2, communication runs on two side streams so that it overlaps
+# the compute stream, ordered by events rather than by synchronising the host:
+#
+# - All-gather: the gather stream first waits for the compute stream (the optimizer wrote the shards there), then packs
+#   the shards (the copy-in runs on the gather stream, off the compute stream) and gathers into an output it allocated,
+#   and records an event. ``wait`` makes the compute stream wait for that event; the caller copies out on the compute
+#   stream. The send and output buffers belong to the gather stream's memory pool, so they must not be freed (and reused
+#   by the next gather) while the compute stream still reads them: ``release`` records an event on the compute stream
+#   after the copy-out, and the *next* all-gather makes the gather stream wait for it before dropping the buffers. No
+#   ``record_stream``, whose frees are deferred by the allocator until the host syncs.
+# - Reduce-scatter and all-reduce: the gradients are packed on the compute stream (where autograd produced them), so
+#   they can be freed as soon as the packing is issued; the reduce stream waits for the compute stream, reduces, and
+#   records an event. The send buffer and the output were allocated on the compute stream and the pending collective
+#   keeps them alive until ``wait`` has made the compute stream wait for the event: every later use or free of them on
+#   the compute stream is ordered after the collective.
 class NcclTransport(Transport):
     """``all_gather_into_tensor`` and ``reduce_scatter_tensor`` on an all-gather and a reduce stream of their own."""
 

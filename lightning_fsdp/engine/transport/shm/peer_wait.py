@@ -1,23 +1,8 @@
 """Waiting on the other ranks of one host by reading counters they write into shared memory.
 
-[Note: counters instead of barriers] The shared-memory transport used to synchronise through gloo barriers: one to
-publish a collective's data, one to say every rank had read it. A gloo barrier is a message through loopback TCP
-handled by a gloo thread, and on a machine whose cores all compute (2 ranks on 2 cores) that thread waits for a time
-slice: measured on the benchmark model, ranks spent 50-150 ms of a ~2.2 s step in those waits and 14 ms issuing
-them. Each rank now writes, in its own segment, a counter per slot saying which use of the slot it has published
-and one saying which it has read (``transport.py``); a rank waiting on the others reads their counters, which costs
-nothing to the rank being waited on and is seen at once.
-
-A counter is a plain aligned 8-byte store written after the data it announces. On x86-64 stores become visible to
-other cores in program order (the non-temporal stores of large copies end with a fence) and loads are not reordered
-with older loads, so a rank that reads the counter reads the data written before it; other architectures need fences
-Python cannot issue, so the transport is only offered on x86-64 (``ORDERED_STORES``).
-
-The waiting rank first yields its core between reads (the other rank is likely on its way), then sleeps between
-reads for a twentieth of the time it has waited so far (at most ``MAX_SLEEP_S``): the wait ends at most ~5% late,
-and a long wait (a checkpoint written by another rank) leaves the core to other work. It never waits forever: a rank
-that has exited (or is a zombie) is named within a second, and a wait longer than the process group's timeout
-raises.
+A rank publishes by a plain store of a counter after its data, and a waiting rank reads its peers' counters: no
+message, nothing asked of the rank waited on (see [Note: counters instead of barriers] above ``ORDERED_STORES``). A
+wait yields, then sleeps, and never waits forever: it names a peer that has exited and raises after the timeout.
 """
 
 from __future__ import annotations
@@ -32,6 +17,17 @@ from torch.distributed import ProcessGroup
 
 from lightning_fsdp.engine.diagnostics.hang_watch import Waiting, failure_of
 
+# [Note: counters instead of barriers] A gloo barrier is a message through loopback TCP handled by a gloo thread, and on
+# a machine whose cores all compute (as many ranks as cores) that thread waits for a time slice, so two barriers per
+# collective (one to publish its data, one to say every rank has read it) would cost every collective that wait. Instead
+# each rank writes, in its own segment, a counter per slot saying which use of the slot it has published and one saying
+# which it has read (``transport.py``); a rank waiting on the others reads their counters, which costs nothing to the
+# rank being waited on and is seen at once.
+#
+# A counter is a plain aligned 8-byte store written after the data it announces. On x86-64 stores become visible to
+# other cores in program order (the non-temporal stores of large copies end with a fence) and loads are not reordered
+# with older loads, so a rank that reads the counter reads the data written before it; other architectures need fences
+# Python cannot issue, so the transport is only offered on x86-64 (``ORDERED_STORES``).
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 YIELD_S = 1e-3  # wall time spent yielding between reads before sleeping between them
 SLEEP_FRACTION = 0.05  # of the time waited so far
@@ -67,6 +63,11 @@ def wait_until(
     group: ProcessGroup | None = None,
 ) -> None:
     """Return once ``ready()``; ``waiting_on`` maps each rank this may wait for (of ``group``) to its pid.
+
+    The wait first yields its core between reads (the other rank is likely on its way), then sleeps between reads for
+    ``SLEEP_FRACTION`` of the time it has waited so far (at most ``MAX_SLEEP_S``): it ends at most ~5% late, and a long
+    wait (a checkpoint written by another rank) leaves the core to other work. It never waits forever: a rank that has
+    exited (or is a zombie) is named within a second, and a wait longer than ``timeout_s`` raises.
 
     Raises ``PeerExitedError`` when one of them has exited, ``TimeoutError`` after ``timeout_s``, and, once the
     wait is long, what ``where()``'s checks raise: see [Note: every wait knows where its peers are] in

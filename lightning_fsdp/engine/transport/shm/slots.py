@@ -1,33 +1,9 @@
 """The slots of a rank's segment: a set for all-gathers and a set for reductions, each use published and read through
 counters in a header.
 
-[Note: slots] Each rank's segment is cut into slots, one per collective in flight, in two sets sized by what each
-collective sends (``SLOTS``): all-gathers send a unit's shard, reductions (reduce-scatters: W shards of gradients;
-all-reduces: the whole gradient) much more. A collective takes the free slot of its set that has been free the
-longest: every rank issues and finishes the engine's collectives in the same order, so every rank takes the same
-slot, which is how readers know where to look. Every use of a slot has a sequence number, the same on every rank. A
-rank publishes its data by writing that number into the slot's header after the data; readers wait until every
-rank's header shows it (see [Note: counters instead of barriers] in ``peer_wait.py``). A slot is free again once
-this rank has read the data of its collective (``release``, which writes the number into the header's read counter),
-and is written again only after every other rank's read counter says it has read it too. Taking the longest-free
-slot rather than the lowest gives the slowest reader time: reusing the slot just released made every rank wait for
-it, ~10 ms a step of the benchmark model. A collective larger than a slot streams through the slots in chunks (see
-
-[Note: chunks]); only when every slot of its set is taken does it run over gloo instead (every rank sees the same busy
-slots, so all of them do): a training step keeps at most two gathers and two reductions in flight.
-
-[Note: chunks] A slot holds at most ``LIGHTNING_FSDP_CHUNK_MIB`` MiB (``SHARED_MEMORY_CHUNK_MIB``; less where no unit
-sends as much), so the segment's size is fixed whatever the model: a language model's root (its embedding and head,
-the largest tensors of the model) no longer sizes it, nor leaves shared memory for gloo. A larger collective is cut
-into chunks of a slot each (all-gather and all-reduce: elements of the packed buffer; reduce-scatter: columns of the
-(world_size, columns) gradient rows, so each chunk still holds every rank's part) and each chunk is one use of a slot
-like any other: stamped, published, awaited with the same timeout and dead-peer detection, released. Chunks are
-pipelined over two slots where two are free: a rank packs chunk k + 1 while its peers read chunk k. The chunks run
-when the collective is issued, except the last, which its ``wait`` reads: a chunked collective holds at most one slot
-between calls, so it never takes the slots of the gathers prefetched after it. What a chunk's readers copy out goes
-into buffers of the transport's pool (an all-gather's result: world_size blocks) or straight into the result (a
-reduction's sum), so a chunked reduction copies no more than one in a single slot, and a chunked all-gather one copy
-more (slot to result) than the views of a single slot.
+Every rank takes the same slot for the same collective, so readers know where to look (see [Note: slots] above
+``SlotSet``), and a slot's size is bounded whatever the model: a larger collective streams through the slots in chunks
+(see [Note: chunks] above ``slot_bytes``).
 """
 
 from __future__ import annotations
@@ -40,6 +16,18 @@ from lightning_fsdp.engine.transport.identity import STAMP_NUMEL
 SLOTS = {"all_gather": 3, "reduce": 2}  # slots per set: a gather in use, two prefetched; a reduction behind another
 
 
+# [Note: chunks] A slot holds at most ``LIGHTNING_FSDP_CHUNK_MIB`` MiB (``SHARED_MEMORY_CHUNK_MIB``; less where no unit
+# sends as much), so the segment's size is fixed whatever the model: a language model's root (its embedding and head,
+# the largest tensors of the model) does not size it, nor leave shared memory for gloo. A larger collective is cut into
+# chunks of a slot each (all-gather and all-reduce: elements of the packed buffer; reduce-scatter: columns of the
+# (world_size, columns) gradient rows, so each chunk still holds every rank's part) and each chunk is one use of a slot
+# like any other: stamped, published, awaited with the same timeout and dead-peer detection, released. Chunks are
+# pipelined over two slots where two are free: a rank packs chunk k + 1 while its peers read chunk k. The chunks run
+# when the collective is issued, except the last, which its ``wait`` reads: a chunked collective holds at most one slot
+# between calls, so it never takes the slots of the gathers prefetched after it. What a chunk's readers copy out goes
+# into buffers of the transport's pool (an all-gather's result: world_size blocks) or straight into the result (a
+# reduction's sum), so a chunked reduction copies no more than one in a single slot, and a chunked all-gather one copy
+# more (slot to result) than the views of a single slot.
 def slot_bytes(send_bytes: dict[str, int], world_size: int) -> dict[str, int]:
     """The data each set's slots hold: the largest send buffer of each collective kind, at most
     ``chunk_limit(SHARED_MEMORY_CHUNK_MIB)`` (see [Note: chunks]), and at least one column of a reduce-scatter in the
@@ -63,6 +51,19 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
+# [Note: slots] Each rank's segment is cut into slots, one per collective in flight, in two sets sized by what each
+# collective sends (``SLOTS``): all-gathers send a unit's shard, reductions (reduce-scatters: W shards of gradients;
+# all-reduces: the whole gradient) much more. A collective takes the free slot of its set that has been free the
+# longest: every rank issues and finishes the engine's collectives in the same order, so every rank takes the same slot,
+# which is how readers know where to look. Every use of a slot has a sequence number, the same on every rank. A rank
+# publishes its data by writing that number into the slot's header after the data; readers wait until every rank's
+# header shows it (see [Note: counters instead of barriers] in ``peer_wait.py``). A slot is free again once this rank
+# has read the data of its collective (``release``, which writes the number into the header's read counter), and is
+# written again only after every other rank's read counter says it has read it too. Taking the longest-free slot rather
+# than the lowest gives the slowest reader time: reusing the slot just released would make every rank wait for it. A
+# collective larger than a slot streams through the slots in chunks (see [Note: chunks]); only when every slot of its
+# set is taken does it run over gloo instead (every rank sees the same busy slots, so all of them do): a training step
+# keeps at most two gathers and two reductions in flight.
 class SlotSet:
     """``count`` slots of ``slot_bytes`` (each after a header) starting at byte ``offset`` of every segment.
 

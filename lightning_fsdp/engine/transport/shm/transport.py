@@ -1,21 +1,11 @@
 """``SharedMemoryTransport``: the collectives of one process group's ranks on one host, through their segments.
 
-[Note: why shared memory on CPU] Over gloo, ranks on one host talk through loopback TCP: every byte is copied into
-the kernel and out again on the CPU cores the ranks compute on. Measured on the 2-core benchmark machine, an
-all-gather of 5.4 MiB per rank (one block of the 25M-parameter demo GPT) takes ~5 ms of CPU time on each rank,
-whether it overlaps compute or not, and a FULL_SHARD step issues 27 such collectives. Through shared memory the
-same all-gather costs two copies the engine makes anyway (packing the shards, copying each parameter's rows out of
-the gathered buffer) and no message: each rank packs its send buffer straight into its own shared segment and,
-once every rank's counter says its data is there, every rank reads every other rank's segment. A reduce-scatter is the
-same with a sum: each rank packs the other ranks' rows of its (world_size, shard) gradient buffer into its segment
-and sums row ``rank`` of every other segment with its own row, read from the gradients themselves (see [Note: the
-own row stays in the gradient] in ``packing.py``). This is what DeepSpeed's shared-memory all-reduce does for
-CPU ranks; NCCL does it on one node too.
-
-A rank waiting on another notices within a second when that rank has exited, and gives up after the process group's
-timeout: a dead rank never leaves the others hanging. Each slot starts with a header holding the identity of the
-collective written there (see [Note: collective identity] in ``identity.py``): a rank that entered another collective
-is named at once instead of read.
+Each rank packs what it sends into its own shared segment, and every rank reads every other rank's segment once that
+rank's counter says the data is there: no message, no copy through the kernel (see [Note: why shared memory on CPU]
+above ``SharedMemoryTransport``). A rank waiting on another notices within a second when that rank has exited, and
+gives up after the process group's timeout: a dead rank never leaves the others hanging. Each slot starts with a
+header holding the identity of the collective written there (see [Note: collective identity] in ``identity.py``): a
+rank that entered another collective is named at once instead of read.
 Set ``LIGHTNING_FSDP_SHARED_MEMORY=0`` to keep everything on gloo.
 """
 
@@ -51,6 +41,15 @@ from lightning_fsdp.engine.transport.shm.slots import (
 )
 
 
+# [Note: why shared memory on CPU] Over gloo, ranks on one host talk through loopback TCP: every byte is copied into the
+# kernel and out again on the CPU cores the ranks compute on, for every collective, whether it overlaps compute or not.
+# Through shared memory the same all-gather costs two copies the engine makes anyway (packing the shards, copying each
+# parameter's rows out of the gathered buffer) and no message: each rank packs its send buffer straight into its own
+# shared segment and, once every rank's counter says its data is there, every rank reads every other rank's segment. A
+# reduce-scatter is the same with a sum: each rank packs the other ranks' rows of its (world_size, shard) gradient
+# buffer into its segment and sums row ``rank`` of every other segment with its own row, read from the gradients
+# themselves (see [Note: the own row stays in the gradient] in ``packing.py``). This is what DeepSpeed's shared-memory
+# all-reduce does for CPU ranks; NCCL does it on one node too.
 class SharedMemoryTransport(Transport):
     """Every rank of ``group`` maps every other rank's segment: a set of slots for all-gathers, one for reductions.
 

@@ -15,7 +15,7 @@ import pytest
 from jsonargparse import ArgumentParser
 
 from lightning_fsdp import FabricFSDPStrategy, FSDPStrategy
-from lightning_fsdp.adapter.strategy_arguments import ARGUMENTS
+from lightning_fsdp.adapter.strategy_arguments import SHARED_ARGUMENTS
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_fsdp"
 
@@ -126,15 +126,26 @@ def test_no_text_of_the_package_cites_a_path_outside_the_repository() -> None:
         assert "../shared" not in path.read_text(), f"{path.relative_to(PACKAGE)} cites ../shared"
 
 
-@pytest.mark.parametrize(("strategy", "state_dict_type"), [(FSDPStrategy, "full"), (FabricFSDPStrategy, "sharded")])
-def test_each_strategy_publishes_every_shared_argument(strategy: type, state_dict_type: str) -> None:
-    parameters = inspect.signature(strategy).parameters
-    for name, shared in ARGUMENTS.items():
-        assert parameters[name].annotation == shared.annotation, name
-        expected = state_dict_type if name == "state_dict_type" else shared.default
-        assert parameters[name].default == expected, name
-    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    assert strategy().state_dict_type == state_dict_type
+TRAINER_ONLY = ("empty_init", "sync_grads_each_micro_batch", "save_trainable_only")
+
+
+def _keywords(strategy: type) -> dict[str, inspect.Parameter]:
+    parameters = inspect.signature(strategy).parameters.values()
+    return {p.name: p for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def test_both_strategies_write_the_same_shared_arguments() -> None:
+    """Each strategy writes the shared arguments in its own signature (as Lightning's do): the same names, types and
+    defaults, but ``state_dict_type``'s (one file for the Trainer, a folder for Fabric, as in Lightning)."""
+    trainer, fabric = _keywords(FSDPStrategy), _keywords(FabricFSDPStrategy)
+    assert [name for name in trainer if name not in TRAINER_ONLY] == list(SHARED_ARGUMENTS)
+    assert list(fabric) == list(SHARED_ARGUMENTS)
+    for name in SHARED_ARGUMENTS:
+        assert trainer[name].annotation == fabric[name].annotation, name
+        if name != "state_dict_type":
+            assert trainer[name].default == fabric[name].default, name
+    assert (trainer["state_dict_type"].default, fabric["state_dict_type"].default) == ("full", "sharded")
+    assert FSDPStrategy().state_dict_type == "full" and FabricFSDPStrategy().state_dict_type == "sharded"
 
 
 @pytest.mark.parametrize("strategy", [FSDPStrategy, FabricFSDPStrategy])
@@ -142,16 +153,18 @@ def test_a_config_parser_sees_every_shared_argument_with_its_type_and_default(st
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(strategy, "strategy")
     defaults = parser.get_defaults().strategy
-    for name, shared in ARGUMENTS.items():
+    for name, parameter in _keywords(strategy).items():
         assert name in defaults, name
-        if name != "state_dict_type":
-            assert defaults[name] == shared.default, name
+        assert defaults[name] == parameter.default, name
+    assert "kwargs" not in defaults
     parsed = parser.parse_args(
         ["--strategy.sharding_strategy", "SHARD_GRAD_OP", "--strategy.limit_all_gathers", "false"]
     )
     assert parsed.strategy.sharding_strategy == "SHARD_GRAD_OP" and parsed.strategy.limit_all_gathers is False
     with pytest.raises(Exception, match="sharding_strategy"):
         parser.parse_args(["--strategy.sharding_strategy", "HALF_SHARD"])
+    with pytest.raises(Exception, match="state_dict_type"):
+        parser.parse_args(["--strategy.state_dict_type", "folder"])
 
 
 def test_a_keyword_outside_the_definition_is_still_refused_with_a_sentence() -> None:

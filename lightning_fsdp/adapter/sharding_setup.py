@@ -15,7 +15,7 @@ from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from lightning_fsdp.adapter.lightning_arguments import (
     split_ignored,
     torch_fsdp_keywords,
 )
-from lightning_fsdp.adapter.strategy_arguments import ARGUMENTS, Policy, WrapPolicy, strategy_arguments
+from lightning_fsdp.adapter.strategy_arguments import SHARED_ARGUMENTS, Policy, WrapPolicy
 from lightning_fsdp.engine import CrossHostPrecision, MixedPrecision, apply_activation_checkpointing, fully_shard
 from lightning_fsdp.engine.build.policies import (
     as_wrap_policy,
@@ -68,7 +68,6 @@ class ShardedModelSetup(ABC):
     engine policy comes from.
     """
 
-    argument_defaults: ClassVar[Mapping[str, Any]] = {}  # the strategy's own defaults of shared arguments
     sharding_strategy: str
     mixed_precision: Any
     _hybrid_mesh: tuple[int, int] | DeviceMesh | None
@@ -160,14 +159,14 @@ class ShardedModelSetup(ABC):
         with torch.device("meta"), track_meta_build():
             yield
 
-    def _set_sharding_arguments(self, given: dict[str, Any]) -> None:
+    def _set_sharding_arguments(self, shared: Mapping[str, Any], unknown: Mapping[str, Any]) -> None:
         """Check every shared argument (one sentence saying what to change) and keep it in the form the engine takes.
 
-        ``given``: the keywords the strategy's ``**arguments`` received; the rest take the class's
-        ``argument_defaults`` or the definition's (``strategy_arguments.py``). A keyword outside that list is refused.
+        ``shared``: the values of the strategy's keywords named in ``SHARED_ARGUMENTS``; ``unknown``: what its
+        ``**kwargs`` received, refused with what to use instead.
         """
-        refuse_unknown_keywords({name: value for name, value in given.items() if name not in ARGUMENTS})
-        arguments = SimpleNamespace(**strategy_arguments(**{**self.argument_defaults, **given}))
+        refuse_unknown_keywords(dict(unknown))
+        arguments = SimpleNamespace(**{name: shared[name] for name in SHARED_ARGUMENTS})
         self._num_nodes = 1
         self._hybrid_mesh = None  # fixed in setup_environment
         self._set_group_arguments(arguments)

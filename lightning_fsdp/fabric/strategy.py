@@ -21,32 +21,44 @@ Fabric calls a strategy from the user's own loop; this one answers as follows.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
+from datetime import timedelta
+from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Literal
 from weakref import WeakSet
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY, ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
 from lightning_fsdp.adapter import watched_collectives
 from lightning_fsdp.adapter.sharding_setup import ShardedModelSetup
-from lightning_fsdp.adapter.strategy_arguments import publish_arguments
+from lightning_fsdp.adapter.strategy_arguments import SHARED_ARGUMENTS, Policy, ShardingName
 from lightning_fsdp.adapter.strategy_names import register_names
 from lightning_fsdp.checkpoint.async_save import BackgroundSaver
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.rank_zero import refuse_full_destination, save_on_rank_zero
-from lightning_fsdp.engine import MixedPrecision, clip_grad_norm_, clip_grad_value_, no_sync, prepare_optimizer
+from lightning_fsdp.engine import (
+    CrossHostPrecision,
+    MixedPrecision,
+    clip_grad_norm_,
+    clip_grad_value_,
+    no_sync,
+    prepare_optimizer,
+)
 from lightning_fsdp.engine.diagnostics.hang_watch import set_phase
 from lightning_fsdp.engine.runtime.registry import unit_of
 from lightning_fsdp.fabric.checkpoint import (
@@ -90,14 +102,12 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
             rank's part is copied to CPU memory; the next save waits for the write and raises its failure, as does
             ``fabric.strategy.teardown()``, which waits for the last write (the interpreter waits for it at exit too).
             Sharded, local paths only.
-        **arguments: the arguments both strategies share (``adapter/strategy_arguments.py``), published in this
-            signature; anything else is refused with a sentence. ``strategy.kwargs`` holds the torch-FSDP keywords
-            given, as Lightning's Trainer strategy keeps them (read-only).
+        **kwargs: refused, with a sentence. The other arguments are ``FSDPStrategy``'s, with the same meaning
+            (``adapter/strategy_arguments.py``); ``strategy.kwargs`` holds the torch-FSDP keywords given, as
+            Lightning's Trainer strategy keeps them (read-only).
     """
 
     strategy_name = "myfsdp"
-
-    argument_defaults: ClassVar[Mapping[str, Any]] = {"state_dict_type": "sharded"}  # as Lightning Fabric's FSDP
 
     def __init__(
         self,
@@ -105,15 +115,43 @@ class FabricFSDPStrategy(ShardedModelSetup, ParallelStrategy, _Sharded):
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
-        **arguments: Any,
+        *,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        cpu_offload: bool | Any | None = None,
+        mixed_precision: MixedPrecision | Any | None = None,
+        auto_wrap_policy: Policy = None,
+        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
+        activation_checkpointing_policy: Policy = None,
+        sharding_strategy: ShardingName | Enum = "FULL_SHARD",
+        state_dict_type: Literal["full", "sharded"] = "sharded",
+        device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] | Enum | None = "BACKWARD_PRE",
+        forward_prefetch: bool | None = None,
+        limit_all_gathers: bool = True,
+        sync_module_states: bool = False,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
+        use_orig_params: bool = True,
+        device_id: int | torch.device | None = None,
+        trust_checkpoint: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        async_save: bool = False,
+        reshard_after_forward: bool | int | None = None,
+        cross_host_precision: Literal["bf16", "int8"] | CrossHostPrecision | None = None,
+        gather_embedding_by_rows: bool = True,
+        **kwargs: Any,
     ) -> None:
+        shared = {name: value for name, value in locals().items() if name in SHARED_ARGUMENTS}
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             precision=precision,
         )
-        self._set_sharding_arguments(arguments)
+        self._set_sharding_arguments(shared, kwargs)
         if self.async_save and self.state_dict_type != "sharded":
             raise ValueError(
                 "async_save=True writes sharded checkpoints in the background; pass state_dict_type='sharded' as well "
@@ -421,5 +459,4 @@ def _refuse_stepped(optimizer: Optimizer) -> None:
         )
 
 
-publish_arguments(FabricFSDPStrategy)  # the shared arguments in the signature, for configs
 FabricFSDPStrategy.register_strategies(STRATEGY_REGISTRY)  # the registry's entries for our names: this class

@@ -23,13 +23,17 @@ The Trainer calls a strategy in a fixed order; this one fills the steps in as fo
 from __future__ import annotations
 
 import inspect
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
@@ -39,7 +43,8 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -49,7 +54,7 @@ from lightning_fsdp.adapter.sharding_setup import (
     check_optimizers_hold_shards,
     flag,
 )
-from lightning_fsdp.adapter.strategy_arguments import publish_arguments
+from lightning_fsdp.adapter.strategy_arguments import SHARED_ARGUMENTS, Policy, ShardingName
 from lightning_fsdp.adapter.strategy_names import register_names
 from lightning_fsdp.averaging.unsupported import refuse_unsharded_averaging
 from lightning_fsdp.checkpoint.async_save import BackgroundSaver
@@ -74,7 +79,7 @@ from lightning_fsdp.checkpoint.rank_zero import refuse_full_destination, save_on
 from lightning_fsdp.checkpoint.remote import remote_kind, remove_remote
 from lightning_fsdp.checkpoint.remote_last import resolve_remote_last
 from lightning_fsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded
-from lightning_fsdp.engine import MixedPrecision, no_sync
+from lightning_fsdp.engine import CrossHostPrecision, MixedPrecision, no_sync
 from lightning_fsdp.engine.optimizers import prepare_optimizer
 from lightning_fsdp.engine.runtime.registry import unit_of
 from lightning_fsdp.engine.state.state_dict import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict
@@ -168,16 +173,13 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             writes a copy of the gathered checkpoint through the ``checkpoint_io`` plugin the same way (one in flight,
             the failure raised on every rank). ``Trainer(plugins=[AsyncCheckpointIO()])`` does the same for both
             forms (the plugin it wraps writes the full file).
-        **arguments: the arguments from ``process_group_backend`` to ``async_save`` above except the three that only
-            the Trainer has (``empty_init``, ``sync_grads_each_micro_batch``, ``save_trainable_only``): one definition
-            for both strategies (``adapter/strategy_arguments.py``), published in this signature for LightningCLI.
-            Any other keyword is refused with a sentence; the torch-FSDP keywords Lightning forwards are all among
-            them. As in Lightning, ``strategy.kwargs`` holds those given (read-only).
+        **kwargs: refused, with a sentence saying what to use instead: the torch-FSDP keywords Lightning forwards
+            are all among the arguments above. As in Lightning, ``strategy.kwargs`` holds those given (read-only).
+            ``FabricFSDPStrategy`` takes the same arguments (``adapter/strategy_arguments.py``) but the three only the
+            Trainer has (``empty_init``, ``sync_grads_each_micro_batch``, ``save_trainable_only``).
     """
 
     strategy_name = "myfsdp"
-
-    argument_defaults: ClassVar[Mapping[str, Any]] = {"state_dict_type": "full"}  # one file, as Lightning's
 
     def __init__(
         self,
@@ -190,8 +192,35 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
         empty_init: bool = False,
         sync_grads_each_micro_batch: bool = True,
         save_trainable_only: bool = False,
-        **arguments: Any,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        cpu_offload: bool | Any | None = None,
+        mixed_precision: MixedPrecision | Any | None = None,
+        auto_wrap_policy: Policy = None,
+        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
+        activation_checkpointing_policy: Policy = None,
+        sharding_strategy: ShardingName | Enum = "FULL_SHARD",
+        state_dict_type: Literal["full", "sharded"] = "full",
+        device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] | Enum | None = "BACKWARD_PRE",
+        forward_prefetch: bool | None = None,
+        limit_all_gathers: bool = True,
+        sync_module_states: bool = False,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
+        use_orig_params: bool = True,
+        device_id: int | torch.device | None = None,
+        trust_checkpoint: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        async_save: bool = False,
+        reshard_after_forward: bool | int | None = None,
+        cross_host_precision: Literal["bf16", "int8"] | CrossHostPrecision | None = None,
+        gather_embedding_by_rows: bool = True,
+        **kwargs: Any,
     ) -> None:
+        shared = {name: value for name, value in locals().items() if name in SHARED_ARGUMENTS}
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -199,7 +228,7 @@ class FSDPStrategy(ShardedModelSetup, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._set_sharding_arguments(arguments)
+        self._set_sharding_arguments(shared, kwargs)
         self.empty_init = flag("empty_init", empty_init)
         self.sync_grads_each_micro_batch = flag("sync_grads_each_micro_batch", sync_grads_each_micro_batch)
         self.save_trainable_only = flag("save_trainable_only", save_trainable_only)
@@ -657,7 +686,6 @@ def _weights_only_given_to_the_trainer() -> bool | None:
     return None
 
 
-publish_arguments(FSDPStrategy)  # the shared arguments in the signature, for LightningCLI
 accept_compiled_modules(FSDPStrategy)
 resolve_remote_last(FSDPStrategy)
 FSDPStrategy.register_strategies(StrategyRegistry)  # the registry's entries for our names: this class

@@ -81,7 +81,7 @@ def _check_counts(rank: int, world_size: int, shared_memory: bool) -> None:
             for kind, calls in counts.items():
                 nbytes[kind] += calls * FRAME_OVERHEAD[kind](world_size)
     # From the second step on, FULL_SHARD keeps the last block gathered from its forward to its backward (see [Note:
-    # the last unit stays gathered] in hooks.py): one gather of it fewer.
+    # the last unit stays gathered] in runtime/root.py): one gather of it fewer.
     last_block_bytes = shard_numels[-2] * FP32 + (0 if shared_memory else FRAME_OVERHEAD["all_gather"](world_size))
     for strategy, (first_counts, first_nbytes) in expected.items():
         for prefetch in ("BACKWARD_PRE", "BACKWARD_POST", None):

@@ -1,9 +1,9 @@
 """A unit's gradients that arrive while other units' backward runs are reduced at once (the root's output head).
 
-See [Note: gradients that arrive long before their unit's backward ends] in lightning_fsdp/engine/hooks.py. Reducing
-part of a unit early changes what is summed with what in no element (every element is still the sum over ranks of
-the same addends), so training with it must equal training without it bit for bit, under every option; and the
-sharded run must still match the unsharded one.
+See [Note: gradients that arrive long before their unit's backward ends] in lightning_fsdp/engine/runtime/root.py.
+Reducing part of a unit early changes what is summed with what in no element (every element is still the sum over
+ranks of the same addends), so training with it must equal training without it bit for bit, under every option; and
+the sharded run must still match the unsharded one.
 """
 
 from __future__ import annotations

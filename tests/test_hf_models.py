@@ -259,7 +259,7 @@ def test_a_meta_build_gets_the_rotary_buffers_it_computes_at_init() -> None:
     """Llama's rotary embedding computes its non-persistent ``inv_freq`` in ``__init__``, which a meta build loses:
     without an initialiser its modules are refused by name, and with transformers' own ``_init_weights`` (which
     recomputes the buffers) every tensor is written and the buffers are exactly the eager build's. See [Note:
-    tensors no initialiser wrote] in lightning_fsdp/engine/deferred_init.py."""
+    tensors no initialiser wrote] in lightning_fsdp/engine/init/materialize.py."""
     eager = FAMILIES["llama"].build(seed=0)
     with torch.device("meta"):
         model = FAMILIES["llama"].build(seed=0)

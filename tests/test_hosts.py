@@ -29,7 +29,7 @@ from tests.distributed import run_distributed
 from tests.engine_harness import TINY_GPT, Run, assert_same_weights, initialize, make_optimizer, run_parity
 
 # An untied embedding of many more rows than one step's tokens: its gradient is mostly zero rows (see [Note: an
-# embedding's rows between hosts] in lightning_fsdp/engine/sparse_rows.py).
+# embedding's rows between hosts] in lightning_fsdp/engine/features/sparse_rows.py).
 UNTIED_GPT = GPTConfig(vocab_size=509, block_size=16, n_layer=2, n_head=2, n_embd=18, bias=True, tie_weights=False)
 
 # ----- without a process group -----------------------------------------------------------------------------------

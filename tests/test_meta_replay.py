@@ -1,6 +1,6 @@
 """A seeded meta build gets exactly the eager build's values, whatever order ``__init__`` initialises in: the init
 program recorded under ``track_meta_build`` is replayed at materialisation (see [Note: replaying the eager build's
-init] in lightning_fsdp/engine/init_program.py). What cannot be replayed falls back, saying why.
+init] in lightning_fsdp/engine/init/program.py). What cannot be replayed falls back, saying why.
 
 In-process: materialisation is a plain function of the module tree; the sharded path is in
 test_engine_deferred_init.py.

@@ -46,7 +46,7 @@ def crossed(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
 def _model_bytes(case: dict) -> tuple[float, float]:
     """S, every parameter's (padded) bytes, and the blocks backward gathers again: all but the last three, which stay
     gathered from forward (the last one and the two backward prefetches at once: see [Note: the last unit stays
-    gathered] in hooks.py)."""
+    gathered] in runtime/root.py)."""
     blocks = case["block_bytes"]
     return case["root_bytes"] + sum(blocks), sum(blocks[:-3])
 

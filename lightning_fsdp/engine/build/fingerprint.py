@@ -1,26 +1,12 @@
 """Every rank must build the same model: what each rank built is compared, and different values are made rank 0's.
 
 Sharding takes rank r's rows from rank r's own model, so ranks that built different models -- another shape, another
-number of units, or the same model initialised with another seed -- would train a mix of each rank's rows without
-any collective noticing (a gather of equal byte counts cannot tell). The fingerprint of a model is its units in
-order, their parameters' names, full shapes, dtypes and ``requires_grad``, and a checksum of each parameter's values
-as they were when it was sharded (the moment rows were taken from each rank). Ranks compare a digest of it in one
-small all-gather; only if the digests differ do they exchange the fingerprints to name the first difference.
-
-[Note: different values are made rank 0's] Ranks that built the same structure with other values (an unseeded
-script: every process draws other numbers) are not refused: as DDP does at construction, every rank takes rank 0's
-parameters and buffers. That has to happen while every rank still holds its full tensors, so it happens in
-``fully_shard``, not at the first forward: each call first compares the structure of what it will shard
-(:func:`check_same_structure`, one small all-gather, before anything changes: a difference is refused by name), so
-that every rank then runs the same per-unit collectives; each unit, when its parameters are real (at once, or as
-deferred init materialises it), compares one digest of its parameters' checksums (:func:`values_differ`, one
-all-gather of one integer per rank) and, only where some rank's differs, is broadcast from rank 0 before its rows
-are taken; the buffers likewise, once at the end of the call. Every rank decides from the gathered digests, so all
-take the same branch. ``sync_module_states=True`` broadcasts without comparing. The checksum is a sum of bit
-patterns: values that are a permutation of each other within one tensor look alike (no seed produces that).
-
-A parameter written after sharding (a checkpoint loaded into the sharded model) is compared by structure only: its
-sharding-time values no longer matter, the loaded ones are the same on every rank by construction.
+number of units, or the same model initialised with another seed -- would train a mix of each rank's rows without any
+collective noticing (a gather of equal byte counts cannot tell). The fingerprint of a model is its units in order, their
+parameters' names, full shapes, dtypes and ``requires_grad``, and a checksum of each parameter's values as they were
+when it was sharded (the moment rows were taken from each rank). Ranks compare a digest of it in one small all-gather;
+only if the digests differ do they exchange the fingerprints to name the first difference. Values that
+differ: [Note: different values are made rank 0's], above ``check_same_structure``.
 """
 
 from __future__ import annotations
@@ -68,6 +54,17 @@ class UnitPrint:
     params: tuple[ParamPrint, ...]
 
 
+# [Note: different values are made rank 0's] Ranks that built the same structure with other values (an unseeded script:
+# every process draws other numbers) are not refused: as DDP does at construction, every rank takes rank 0's parameters
+# and buffers. That has to happen while every rank still holds its full tensors, so it happens in ``fully_shard``, not
+# at the first forward: each call first compares the structure of what it will shard (``check_same_structure``, one
+# small all-gather, before anything changes: a difference is refused by name), so that every rank then runs the same
+# per-unit collectives; each unit, when its parameters are real (at once, or as deferred init materialises it), compares
+# one digest of its parameters' checksums (``values_differ``, one all-gather of one integer per rank) and, only where
+# some rank's differs, is broadcast from rank 0 before its rows are taken; the buffers likewise, once at the end of the
+# call. Every rank decides from the gathered digests, so all take the same branch. ``sync_module_states=True``
+# broadcasts without comparing. The checksum is a sum of bit patterns: values that are a permutation of each other
+# within one tensor look alike (no seed produces that).
 def check_same_structure(prints: list[UnitPrint], buffers: UnitPrint, group: ProcessGroup) -> None:
     """A collective over ``group``: raise ``ModelMismatchError`` on every rank if the units' or the ``buffers``'
     structures differ (values are not compared: see [Note: different values are made rank 0's])."""
@@ -96,7 +93,10 @@ def values_differ(tensors: list[torch.Tensor], group: ProcessGroup) -> bool:
 
 
 def check_same_model(prints: list[UnitPrint], group: ProcessGroup) -> None:
-    """A collective over ``group``: raise ``ModelMismatchError`` on every rank if any rank built another model."""
+    """A collective over ``group``: raise ``ModelMismatchError`` on every rank if any rank built another model.
+
+    A parameter written after sharding (a checkpoint loaded into the sharded model) is compared by structure only: its
+    sharding-time values no longer matter, the loaded ones are the same on every rank by construction."""
     digest = hashlib.sha256(repr(prints).encode()).hexdigest()
     digests: list[str | None] = [None] * group.size()
     dist.all_gather_object(digests, digest, group=group)

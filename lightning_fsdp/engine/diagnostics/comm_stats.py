@@ -1,30 +1,9 @@
 """Count the collectives a block of code issues, and the bytes each rank puts into them.
 
-Why this exists: the paper's claims are about communication volume (FULL_SHARD moves 3x the parameter bytes per
-step, 2 all-gathers + 1 reduce-scatter, SHARD_GRAD_OP 2x, NO_SHARD one all-reduce), and "exactly one
-all-gather per unit" is a property the engine must keep. Timing cannot check either; counting can. Tests assert
-on the counts, and ``benchmarks/bench_engine.py`` reports bytes per step for our engine, torch FSDP2 and DDP
-measured the same way.
-
-How: a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every operator that reaches the dispatcher
-while it is active. Every ``torch.distributed`` collective does: the Python API calls a ``ProcessGroup`` method
-that dispatches ``c10d::<op>`` (``dist.all_gather_single`` and the deprecated ``all_gather_into_tensor`` both
-become ``c10d::_allgather_base_``), and functional collectives dispatch ``_c10d_functional::<op>``. Dispatch
-modes are thread-local state that autograd carries into backward, so collectives issued from backward hooks are
-seen too (verified on CPU, where backward runs on the calling thread), and so are the collectives a
-DTensor issues when it redistributes (see ``__torch_dispatch__``).
-
-``torch.distributed.tensor.debug.CommDebugMode`` counts calls but not bytes, and reports the functional op names
-rather than the ``c10d`` ones; that is why this module does not reuse it.
-
-Cost: a dispatch mode intercepts every operator, not only collectives, which adds Python overhead to each op.
-Use it around a step you count, never around a step you time.
-
-What ``bytes`` means: the size (``numel * element_size``) of the tensors this rank passes as the op's input
-payload: the input shard of an all-gather, the full input of a reduce-scatter, the tensor of an all-reduce, the
-input of an all-to-all, the buffer of a broadcast (sent by the root, received by the others) and the buffer of a
-send or recv. It is the logical volume per rank, independent of the algorithm the backend uses on the wire (a
-ring all-reduce sends about 2x its input); that keeps it comparable across backends.
+Communication volume (FULL_SHARD moves 3x the parameter bytes per step: 2 all-gathers and 1 reduce-scatter) and "exactly
+one all-gather per unit" are properties the engine must keep, which timing cannot check and counting can: tests assert
+on the counts, and ``benchmarks/bench_engine.py`` reports bytes per step for our engine, torch FSDP2 and DDP counted the
+same way. How collectives are seen: ``CollectiveCounter``; what ``bytes`` means: ``CollectiveEvent``.
 """
 
 from __future__ import annotations
@@ -101,6 +80,12 @@ class CollectiveEvent:
     ``numel`` and ``bytes`` sum over every tensor of the input payload (a coalesced op has several);
     ``dtype`` is that of the first one (None when there is none, as for a barrier). ``group_size`` is the
     number of ranks in the process group, None when it could not be resolved.
+
+    ``bytes`` is the size (``numel * element_size``) of the tensors this rank passes as the op's input payload: the
+    input shard of an all-gather, the full input of a reduce-scatter, the tensor of an all-reduce, the input of an
+    all-to-all, the buffer of a broadcast (sent by the root, received by the others) and the buffer of a send or recv.
+    It is the logical volume per rank, independent of the algorithm the backend uses on the wire (a ring all-reduce
+    sends about 2x its input); that keeps it comparable across backends.
     """
 
     kind: str
@@ -183,6 +168,18 @@ class CollectiveCounter(TorchDispatchMode):
     "all_reduce", "all_to_all", "broadcast", "reduce", "gather", "scatter", "send", "recv", "p2p", "barrier",
     "other"), so a kind that never happened reads as 0. ``events`` keeps every call in issue order.
     The counter can be entered again after it exits; the records accumulate until :meth:`reset`.
+
+    A :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every operator that reaches the dispatcher while it
+    is active. Every ``torch.distributed`` collective does: the Python API calls a ``ProcessGroup`` method that
+    dispatches ``c10d::<op>`` (``dist.all_gather_single`` and the deprecated ``all_gather_into_tensor`` both become
+    ``c10d::_allgather_base_``), and functional collectives dispatch ``_c10d_functional::<op>``. Dispatch modes are
+    thread-local state that autograd carries into backward, so collectives issued from backward hooks are seen too, and
+    so are the collectives a DTensor issues when it redistributes (see ``__torch_dispatch__``).
+    ``torch.distributed.tensor.debug.CommDebugMode`` counts calls but not bytes, and reports the functional op names
+    rather than the ``c10d`` ones; that is why it is not reused here.
+
+    Cost: a dispatch mode intercepts every operator, not only collectives, which adds Python overhead to each op. Use it
+    around a step you count, never around a step you time.
     """
 
     def __init__(self) -> None:

@@ -1,36 +1,11 @@
 """Where each rank waits, so that no wait outlasts the reason for it.
 
-[Note: every wait knows where its peers are] A collective ends when every rank of its group has entered it. A rank
-that entered another one instead (Lightning's epoch-end ``sync_dist`` while its peer still gathers for a batch the
-first rank does not have), or that left the loop, never will: before this, both waited until the process group's
-timeout (30 minutes), the stamps being no help since they only travel with the data of the engine's own
-collectives. Ranks cannot read each other's stacks, so each says where it is, on the process group's own store
-(the c10d ``TCPStore`` every rank already talks to), but only once a wait has lasted ``POST_AFTER_S``: a step's
-hundreds of short waits cost nothing, and a rank is only ever asked about when it is stuck. A rank that has waited
-that long posts its place (the collective, its group's ranks, what the rank was doing: ``phase``) and from then on
-reads its peers' posts every ``CHECK_EVERY_S``. It raises ``PeerElsewhereError`` when a peer it waits on is waiting
-in another collective whose group holds this rank too -- neither can ever finish: each needs the other -- naming both
-places. Both see it, so both raise within about ``POST_AFTER_S + CHECK_EVERY_S``. A peer that waits in a collective
-of a group without this rank is left alone: it may be waiting on a third rank that is merely slow.
-
-``phase`` says what the loop was doing ("training batch 3 of epoch 0"). Two ranks in the same collective of
-different phases (one started the next epoch while the other is still in the last batch of this one: data that ends
-at different points) are elsewhere too; a rank that serves its peers' evaluation gathers (``phase`` None) matches any.
-
-Collectives called straight through ``torch.distributed`` (Lightning's loops broadcast at every training batch;
-user code) block in C++ where no check of ours runs, so ``watch_main_thread`` starts a thread that looks at the main
-thread's stack every ``CHECK_EVERY_S``: once it has stayed ``POST_AFTER_S`` inside one ``torch.distributed`` call,
-the thread posts that call and its caller as the rank's place (over every rank: the group is not known). Its peers'
-checks then name it; the rank itself is freed when they raise and its collective fails. The thread is the run's: the
-strategy starts it with the process group and stops it (joined) at its teardown, so none is left after ``fit``.
-
-Waiting on gloo goes through ``wait_work``, which wakes every ``POLL_S`` (``Work.wait`` with a timeout leaves the
-work in flight) to run the same checks. Every long wait (past its first ``POLL_S`` on gloo, ``LIVENESS_EVERY_S`` on
-shared memory) also raises what ``interrupt_waits`` set: a signal handler cannot raise into a wait that blocks in C++
-or on a peer that never comes, so SIGTERM's handler sets the exception and the wait raises it. Outside ``fit`` any
-long wait does (``trainer/evaluation_signals.py``); during ``fit`` only one that has lasted ``STUCK_WAIT_S``, so that
-a signal that arrives in a healthy step is still acted on at the batch end, by every rank together (see [Note:
-SIGTERM in a wait that does not end] in ``trainer/preemption.py``).
+A rank waiting for a peer that entered another collective, or left the loop, would otherwise wait until the process
+group's timeout. So a wait that has lasted ``POST_AFTER_S`` posts where it is on the process group's store and reads
+where its peers are, and raises ``PeerElsewhereError`` where neither can ever finish: ``Waiting`` for the engine's own
+waits (``wait_work`` on gloo, the shared-memory transport's), ``MainThreadWatch`` for collectives called straight
+through ``torch.distributed``. The same waits raise what a signal handler set with ``interrupt_waits``.
+See [Note: every wait knows where its peers are], above ``Waiting``.
 """
 
 from __future__ import annotations
@@ -81,8 +56,14 @@ def set_phase(phase: str | None) -> None:
 
 
 def interrupt_waits(error: BaseException | None, after_waiting_s: float = 0.0) -> None:
-    """Make every long wait of this process raise ``error`` within ``POLL_S`` of having lasted ``after_waiting_s``
-    (a signal handler's way out); None takes it back."""
+    """Make every long wait of this process raise ``error`` within ``POLL_S`` of having lasted ``after_waiting_s`` (a
+    signal handler's way out); None takes it back.
+
+    A signal handler cannot raise into a wait that blocks in C++ or on a peer that never comes, so SIGTERM's handler
+    sets the exception and every long wait (past its first ``POLL_S`` on gloo, ``LIVENESS_EVERY_S`` on shared memory)
+    raises it. Outside ``fit`` any long wait does (``trainer/evaluation_signals.py``); during ``fit`` only one that has
+    lasted ``STUCK_WAIT_S``, so that a signal that arrives in a healthy step is still acted on at the batch end, by
+    every rank together (see [Note: SIGTERM in a wait that does not end] in ``trainer/preemption.py``)."""
     STATE.interrupt, STATE.interrupt_after_s = error, after_waiting_s
 
 
@@ -104,6 +85,26 @@ def _store() -> dist.Store | None:
     return dist.distributed_c10d._get_default_store()
 
 
+# [Note: every wait knows where its peers are] A collective ends when every rank of its group has entered it. A rank
+# that entered another one instead (Lightning's epoch-end ``sync_dist`` while its peer still gathers for a batch the
+# first rank does not have), or that left the loop, never will, and both would wait until the process group's timeout:
+# the stamps are no help, since they only travel with the data of the engine's own collectives. Ranks cannot read each
+# other's stacks, so each says where it is, on the process group's own store (the c10d ``TCPStore`` every rank already
+# talks to), but only once a wait has lasted ``POST_AFTER_S``: a step's hundreds of short waits cost nothing, and a rank
+# is only ever asked about when it is stuck. A rank that has waited that long posts its place (the collective, its
+# group's ranks, what the rank was doing: ``phase``) and from then on reads its peers' posts every ``CHECK_EVERY_S``. It
+# raises ``PeerElsewhereError`` when a peer it waits on is waiting in another collective whose group holds this rank too
+# -- neither can ever finish: each needs the other -- naming both places. Both see it, so both raise within about
+# ``POST_AFTER_S + CHECK_EVERY_S``. A peer that waits in a collective of a group without this rank is left alone: it may
+# be waiting on a third rank that is merely slow.
+#
+# ``phase`` says what the loop was doing ("training batch 3 of epoch 0"). Two ranks in the same collective of different
+# phases (one started the next epoch while the other is still in the last batch of this one: data that ends at different
+# points) are elsewhere too; a rank that serves its peers' evaluation gathers (``phase`` None) matches any.
+#
+# Collectives called straight through ``torch.distributed`` block in C++, where no check of ours runs: there
+# ``MainThreadWatch`` posts for the rank. Waits on gloo go through ``wait_work``, which wakes every ``POLL_S`` to run
+# the checks. Every long wait also raises what ``interrupt_waits`` set (SIGTERM's way out of a wait).
 class Waiting:
     """One wait that has gone on for a while: it posts where it is and reads where its peers are."""
 
@@ -221,8 +222,9 @@ def _during(phase: str | None) -> str:
 
 
 def wait_work(work: dist.Work, group: ProcessGroup | None, stamp: Stamp | None = None, what: str = "") -> None:
-    """``work.wait()``, but one that knows where its peers are and can be interrupted (see the Note). The place it
-    posts: the stamp's collective, else ``what``."""
+    """``work.wait()``, but one that knows where its peers are and can be interrupted
+    (see [Note: every wait knows where its peers are]). The place it posts: the stamp's collective, else ``what``. It
+    wakes every ``POLL_S`` to run the checks (``Work.wait`` with a timeout leaves the work in flight)."""
     if work.is_completed():
         work.wait()
         return
@@ -262,8 +264,16 @@ def _blocking_call(frame: FrameType | None) -> str | None:
 
 
 class MainThreadWatch(threading.Thread):
-    """The thread that posts where the main thread blocks in ``torch.distributed`` (see the Note), for one run: it
-    runs from ``watch_main_thread`` until ``stop`` (the run's teardown) or until its owner is garbage-collected."""
+    """The thread that posts where the main thread blocks in ``torch.distributed``
+    (see [Note: every wait knows where its peers are]), for one run: it runs from ``watch_main_thread`` until ``stop``
+    (the run's teardown) or until its owner is garbage-collected.
+
+    Collectives called straight through ``torch.distributed`` (Lightning's loops broadcast at every training batch; user
+    code) block in C++ where no check of ours runs, so this thread looks at the main thread's stack every
+    ``CHECK_EVERY_S``: once it has stayed ``POST_AFTER_S`` inside one ``torch.distributed`` call, it posts that call and
+    its caller as the rank's place (over every rank: the group is not known). Its peers' checks then name it; the rank
+    itself is freed when they raise and its collective fails. The strategy starts it with the process group and stops it
+    (joined) at its teardown, so none is left after ``fit``."""
 
     def __init__(self, owner: object) -> None:
         super().__init__(name="lightning_fsdp-hang-watch", daemon=True)

@@ -1,22 +1,12 @@
 """What this process's units moved and how long they held the training thread: always on, read by the monitor.
 
-Why: a user whose sharded run is slower or larger than expected needs to see where the step goes -- which units move
-how many bytes over which transport, and how long the training thread sat inside the collectives -- without running
-a profiler. ``lightning_fsdp.monitor.FSDPMonitor`` reads these counters every few steps; anything else may too.
-
-The counters only ever grow: a reader keeps a :meth:`StepStats.snapshot` and subtracts it from a later one, so several
-readers never reset each other. ``unit.py`` updates them at its transitions (see [Note: profiler labels] there):
-
-- bytes: this rank's payload, the convention of ``diagnostics/comm_stats.py`` -- the packed input shard of an
-  all-gather, the full input of a reduce-scatter, the tensor of an all-reduce -- by unit (its name as the engine names
-  units) and by transport (the short keys of :data:`TRANSPORT_KEYS`). HYBRID_SHARD's sum over replicas counts as
-  reduced bytes of the unit, on the replicas' transport.
-- ``blocked_s``: seconds the training thread spent inside a transport's collective calls and in the units' waits
-  (``wait_unshard``, ``wait_reduce``): packing, shared memory's copies and waits for a slot or for peers, gloo's waits.
-  On CUDA a wait orders streams and returns at once, so there it measures the host's part only.
-
-Cost: a dictionary lookup, two integer additions and two ``time.perf_counter`` calls per collective; no dispatch mode,
-no device synchronisation.
+A user whose sharded run is slower or larger than expected needs to see where the step goes -- which units move how many
+bytes over which transport, and how long the training thread sat inside the collectives -- without running a profiler.
+``lightning_fsdp.monitor.FSDPMonitor`` reads these counters every few steps; anything else may too. The counters only
+ever grow: a reader keeps a :meth:`StepStats.snapshot` and subtracts it from a later one, so several readers never reset
+each other. ``unit.py`` updates them at its transitions (see [Note: profiler labels] there); what each counter holds is
+on :class:`StepStats`. Cost: a dictionary lookup, two integer additions and two ``time.perf_counter`` calls per
+collective; no dispatch mode, no device synchronisation.
 """
 
 from __future__ import annotations
@@ -92,7 +82,16 @@ class StatsSnapshot:
 
 
 class StepStats:
-    """This process's counters (one instance, :data:`STEP_STATS`): every root in the process adds to them."""
+    """This process's counters (one instance, :data:`STEP_STATS`): every root in the process adds to them.
+
+    - bytes: this rank's payload, the convention of ``diagnostics/comm_stats.py`` -- the packed input shard of an
+      all-gather, the full input of a reduce-scatter, the tensor of an all-reduce -- by unit (its name as the engine
+      names units) and by transport (the short keys of :data:`TRANSPORT_KEYS`). HYBRID_SHARD's sum over replicas
+      counts as reduced bytes of the unit, on the replicas' transport.
+    - ``blocked_s``: seconds the training thread spent inside a transport's collective calls and in the units' waits
+      (``wait_unshard``, ``wait_reduce``): packing, shared memory's copies and waits for a slot or for peers, gloo's
+      waits. On CUDA a wait orders streams and returns at once, so there it measures the host's part only.
+    """
 
     def __init__(self) -> None:
         self.units: dict[str, Traffic] = {}

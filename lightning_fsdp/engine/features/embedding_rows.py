@@ -1,31 +1,9 @@
 """An untied embedding gathered between hosts by the rows its lookups read, not whole.
 
-[Note: an embedding's rows as they are looked up] ``nn.Embedding``'s forward reads one row of its weight per token, and
-its backward reads none (the gradient of a lookup is the output's gradient scattered into rows). A step of a few
-thousand tokens reads a few thousand rows of a vocabulary of 32k-150k, yet a unit's gather moves every row of every
-rank: between hosts, where each byte costs link time, that is most of a language model's root unit for nothing. So when
-a unit's gathers cross hosts (``Transport.gathers_rows``), the weight of an ``nn.Embedding`` that no other module shares
-(``FSDPParam.looked_up``) is left out of a training forward's gather: its full tensor is allocated and filled with NaN,
-and a forward pre-hook on the embedding, which sees the token ids, gathers exactly the rows they name from the ranks
-that hold them (``GlooTransport.gather_rows``: the wanted rows' marks ride in the stamps' gather, then each rank sends
-each peer the rows of its shard that peer wants). A second call in the same forward gathers only the rows not yet there.
-The lookups then compute with the same values a whole gather gives, to the bit.
-
-What that assumes, and how it is kept:
-
-- *Only the embedding's own forward reads the weight.* The parameter must belong only to ``nn.Embedding`` modules
-  whose forward is ``nn.Embedding``'s (a subclass that overrides it may read the weight otherwise; ``max_norm``
-  rewrites rows; a head tied to it reads every row). Code that
-  reads ``embedding.weight`` itself inside a training forward (a norm of the whole table, say) reads NaN in every row
-  no token named: the loss turns NaN at once instead of training on wrong values. Such a model passes
-  ``gather_embedding_rows=False`` (docs/multi-node.md).
-- *Every rank looks up as often as the others.* Each lookup is a collective of the unit, stamped as any other, so a
-  rank that looks up more often than its peers raises ``CollectiveMismatchError`` instead of reading another
-  collective's data.
-- *Evaluation gathers whole.* A forward without gradients (validation, prediction) gathers the weight as before: a
-  rank serving its peers' evaluation forward (``uneven_evaluation.py``) runs no module code, so it could take part in no
-  lookup. Backward needs no row at all: a unit gathered again for backward leaves the weight unfilled (NaN), which
-  nothing reads; activation checkpointing's recomputation looks up again, on every rank alike.
+When a unit's gathers cross hosts, the weight of an ``nn.Embedding`` that no other module shares is left out of a
+training forward's gather, and a forward pre-hook on the embedding gathers exactly the rows its token ids name
+(``LookedUpRows``). What that assumes, and how it is kept: [Note: an embedding's rows as they are looked up], above
+``LookedUpRows``.
 """
 
 from __future__ import annotations
@@ -56,6 +34,32 @@ class Unit(Protocol):
     def transport(self) -> Transport: ...
 
 
+# [Note: an embedding's rows as they are looked up] ``nn.Embedding``'s forward reads one row of its weight per token,
+# and its backward reads none (the gradient of a lookup is the output's gradient scattered into rows). A step of a few
+# thousand tokens reads a few thousand rows of a vocabulary of tens of thousands, yet a unit's gather moves every row of
+# every rank: between hosts, where each byte costs link time, that is most of a language model's root unit for nothing.
+# So when a unit's gathers cross hosts (``Transport.gathers_rows``), the weight of an ``nn.Embedding`` that no other
+# module shares (``FSDPUnit.looked_up``) is left out of a training forward's gather: its full tensor is allocated and
+# filled with NaN, and a forward pre-hook on the embedding, which sees the token ids, gathers exactly the rows they name
+# from the ranks that hold them (``GlooTransport.gather_rows``: the wanted rows' marks ride in the stamps' gather, then
+# each rank sends each peer the rows of its shard that peer wants). A second call in the same forward gathers only the
+# rows not yet there. The lookups then compute with the same values a whole gather gives, to the bit.
+#
+# What that assumes, and how it is kept:
+#
+# - *Only the embedding's own forward reads the weight.* The parameter must belong only to ``nn.Embedding`` modules
+#   whose forward is ``nn.Embedding``'s (``looks_up_rows_only``: a subclass that overrides it may read the weight
+#   otherwise; ``max_norm`` rewrites rows; a head tied to it reads every row). Code that reads ``embedding.weight``
+#   itself inside a training forward (a norm of the whole table, say) reads NaN in every row no token named: the loss
+#   turns NaN at once instead of training on wrong values. Such a model passes ``gather_embedding_rows=False``
+#   (docs/multi-node.md).
+# - *Every rank looks up as often as the others.* Each lookup is a collective of the unit, stamped as any other, so a
+#   rank that looks up more often than its peers raises ``CollectiveMismatchError`` instead of reading another
+#   collective's data.
+# - *Evaluation gathers whole.* A forward without gradients (validation, prediction) gathers the weight whole: a rank
+#   serving its peers' evaluation forward (``uneven_evaluation.py``) runs no module code, so it could take part in no
+#   lookup. Backward needs no row at all: a unit gathered again for backward leaves the weight unfilled (NaN), which
+#   nothing reads; activation checkpointing's recomputation looks up again, on every rank alike.
 class LookedUpRows:
     """One embedding weight of a unit whose full tensor is filled row by row, by the lookups of one gather."""
 

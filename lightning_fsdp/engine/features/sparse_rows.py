@@ -1,22 +1,7 @@
 """The replicas' sum of an embedding's gradient between hosts: only the rows some replica touched cross the link.
 
-[Note: an embedding's rows between hosts] An ``nn.Embedding``'s gradient is zero in every row no token of the step
-looked up: a step of a few thousand tokens touches a few thousand rows of a vocabulary of 32k-150k, and the rest of
-the gradient is zeros that DDP and a dense all-reduce send anyway. Between hosts that is most of the bytes of a
-language model's root unit, and the root's reduction is the last of backward: nothing is left to hide it behind.
-
-So HYBRID's sum over replicas, when it crosses hosts, sends such a gradient by rows, exactly:
-
-1. every replica marks the rows of its shard that are non-zero, and a MAX all-reduce of those marks (one byte a row)
-   gives every replica the same union;
-2. the union's rows are all-reduced, in the same transport (and so the same wire precision) as the rest;
-3. the shard's rows outside the union are zero on every replica, this one included, so their sum is already in
-   place: the union's sums are copied into their rows, and that is the result.
-
-The rest of the unit (the head, norms) is all-reduced densely as soon as the shard stage is done, behind the marks.
-The union is found from the values, not assumed from the tokens, so a gradient that is dense after all (a hook, a
-weight tied to a head) is summed correctly, only with no saving. Which parameters take this path is decided at
-wrapping (``FSDPParam.rows_sparse``: the untied weight of an ``nn.Embedding``), the same on every rank.
+``sum_over_replicas_by_rows`` is HYBRID's all-reduce over replicas with an untied embedding's gradient sent by its
+non-zero rows, exactly: see [Note: an embedding's rows between hosts], above it.
 """
 
 from __future__ import annotations
@@ -44,6 +29,23 @@ class RowRegion(NamedTuple):
         return flat[self.offset : self.offset + self.rows * self.row_numel].view(self.rows, self.row_numel)
 
 
+# [Note: an embedding's rows between hosts] An ``nn.Embedding``'s gradient is zero in every row no token of the step
+# looked up: a step of a few thousand tokens touches a few thousand rows of a vocabulary of tens of thousands, and the
+# rest of the gradient is zeros that DDP and a dense all-reduce send anyway. Between hosts that is most of the bytes of
+# a language model's root unit, and the root's reduction is the last of backward: nothing is left to hide it behind.
+#
+# So HYBRID's sum over replicas, when it crosses hosts, sends such a gradient by rows, exactly:
+#
+# 1. every replica marks the rows of its shard that are non-zero, and a MAX all-reduce of those marks (one byte a row)
+#    gives every replica the same union;
+# 2. the union's rows are all-reduced, in the same transport (and so the same wire precision) as the rest;
+# 3. the shard's rows outside the union are zero on every replica, this one included, so their sum is already in
+#    place: the union's sums are copied into their rows, and that is the result.
+#
+# The rest of the unit (the head, norms) is all-reduced densely as soon as the shard stage is done, behind the marks.
+# The union is found from the values, not assumed from the tokens, so a gradient that is dense after all (a hook, a
+# weight tied to a head) is summed correctly, only with no saving. Which parameters take this path is decided at
+# wrapping (``FSDPParam.rows_sparse``: the untied weight of an ``nn.Embedding``), the same on every rank.
 def sum_over_replicas_by_rows(
     transport: Transport, flat: torch.Tensor, regions: list[RowRegion], stamp: Stamp | None, unit: str
 ) -> Pending[torch.Tensor]:

@@ -1,19 +1,9 @@
 """A rank with no batch left takes part in its peers' evaluation forward without computing anything.
 
-[Note: serving the peers' forward] Under DDP a forward has no collective, so ranks whose evaluation data ends at
-different points finish on their own. Here every unit's forward gathers its parameters from every rank: a rank whose
-loop has ended must still send its shards, or its peers wait for it forever. ``serve_forward`` runs the hooks of one
-evaluation forward of the sharded model with no inputs and no module code: the root's, then for each unit the last
-evaluation forward of this rank entered (``RootContext.evaluation_units``, the order the gathers were issued in),
-its pre-forward (the gather, and whatever prefetch the real forward does) and post-forward (the reshard). So the
-collectives, their order, their stamps and their sizes are those of a real forward, one unit's memory at a time, and
-the stamps still check that they are: a peer whose forward enters other units (a branch on the data) raises
-``CollectiveMismatchError`` instead of reading the wrong unit's data.
-
-The caller decides how many forwards to serve: before every evaluation batch the ranks exchange how many of them
-still have one (the Trainer's strategy in ``trainer/uneven_data.py``; a loop of one's own, under Fabric or the engine
-alone, through ``uneven_batches``). A rank that has run no evaluation forward yet serves the forward order of
-training, or the units in the order they were registered.
+``serve_forward`` runs the collectives of one evaluation forward of the sharded model and nothing else
+(see [Note: serving the peers' forward], above it); ``uneven_batches`` wraps an evaluation loop's batches so that a rank
+whose batches ran out serves its peers until every rank's have. The Trainer's strategy does the same in
+``trainer/uneven_data.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +22,20 @@ from lightning_fsdp.engine.runtime.registry import unit_of
 Batch = TypeVar("Batch")
 
 
+# [Note: serving the peers' forward] Under DDP a forward has no collective, so ranks whose evaluation data ends at
+# different points finish on their own. Here every unit's forward gathers its parameters from every rank: a rank whose
+# loop has ended must still send its shards, or its peers wait for it forever. ``serve_forward`` runs the hooks of one
+# evaluation forward of the sharded model with no inputs and no module code: the root's, then for each unit the last
+# evaluation forward of this rank entered (``RootContext.evaluation_units``, the order the gathers were issued in), its
+# pre-forward (the gather, and whatever prefetch the real forward does) and post-forward (the reshard). So the
+# collectives, their order, their stamps and their sizes are those of a real forward, one unit's memory at a time, and
+# the stamps still check that they are: a peer whose forward enters other units (a branch on the data) raises
+# ``CollectiveMismatchError`` instead of reading the wrong unit's data. A rank that has run no evaluation forward yet
+# serves the forward order of training, or the units in the order they were registered.
+#
+# The caller decides how many forwards to serve: before every evaluation batch the ranks exchange how many of them still
+# have one (``ranks_with_batch``; the Trainer's strategy in ``trainer/uneven_data.py``, a loop of one's own, under
+# Fabric or the engine alone, through ``uneven_batches``).
 def serve_forward(module: nn.Module) -> None:
     """The collectives of one evaluation forward of ``module`` (a root of ``fully_shard``), computing nothing."""
     root = unit_of(module)

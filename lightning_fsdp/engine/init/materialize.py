@@ -1,43 +1,15 @@
 """Deferred initialisation: materialise a model built on the meta device module by module, in module order.
 
-Each module with parameters or buffers of its own on the meta device gets real tensors on the target device, which
-are then initialised in one of two ways. A model built under :func:`track_meta_build` (the strategies' empty init)
-gets the init program its ``__init__`` ran replayed (see [Note: replaying the eager build's init] in
-``program.py``): a seeded meta build then gets exactly the eager build's values and leaves the random stream
-where the eager build left it, whatever order ``__init__`` initialises in -- a parent initialising its own
-parameters after its child's (LitGPT's ``LoRALinear``), one ``self.apply(self._init_weights)`` sweep at the end
-(GPT-2), a buffer computed from ``torch.arange`` (rotary ``inv_freq``). Otherwise -- a ``param_init_fn`` given, a
-model put on the meta device by hand, or a program that cannot be replayed (the reason is logged) -- each module is
-initialised by ``param_init_fn(module)`` or its own ``reset_parameters()``, which must touch only the module's own
-tensors, as torch's built-in modules do; that gives the eager values only when module (pre-)order is the order the
-eager ``__init__`` initialised them in (a parent's own parameters are initialised before its children's).
-Whenever a unit's last parameter is ready the caller shards it, so the full tensors alive at any moment are one
-unit's plus whatever its ancestors have materialised so far -- not the whole model.
+Each module with parameters or buffers of its own on the meta device gets real tensors on the target device, which are
+then initialised in one of two ways: a model built under :func:`track_meta_build` (the strategies' empty init) gets the
+init program its ``__init__`` ran replayed (``_materialize_by_replay``; see [Note: replaying the eager build's init] in
+``program.py``), any other each module's ``param_init_fn(module)`` or ``reset_parameters()``
+(``_materialize_by_initialisers``). Whenever a unit's last parameter is ready the caller shards it, so the full tensors
+alive at any moment are one unit's plus whatever its ancestors have materialised so far -- not the whole model.
 
-A parameter shared by several modules (weight tying) is materialised once and set on every owner, so the tie
-survives. Replayed, it gets what the eager build's ops on it left. Otherwise it takes the init an eager build gives
-it: that of the module that created it (``lm_head`` in ``wte.weight = lm_head.weight``), not of whichever owner
-comes first in module order. :func:`track_meta_build` records each meta parameter's creator (its first
-registration) while a model is built; every other owner still runs its initialiser, on a scratch tensor, so the
-random stream advances exactly as in the eager build, where each module initialised its own tensor before the tie
-replaced it. Without a record (a model built on the meta device outside that context) the first owner in module
-order initialises it.
-
-[Note: tensors no initialiser wrote] Materialising a meta tensor gives it memory holding whatever was there. A
-module's initialiser must write every tensor of its own, and one it forgets would train from garbage that looks
-like numbers -- most often a buffer its ``__init__`` computes (a rotary embedding's inverse frequencies, a causal
-mask), which a meta build computes on the meta device and so loses. Every tensor is therefore materialised filled
-with a value no initialiser writes (NaN; integers: their largest value; booleans: the byte 255) and checked after
-its initialiser ran. A non-persistent buffer left so is refused before anything is materialised, since no state
-dict will ever fill it: the initialiser of each module holding one is first run on a scratch copy of it (the random
-stream restored after); replayed, one that no recorded op writes is refused. A parameter or persistent buffer left
-so is named in one warning, since a checkpoint loaded after setup may be meant to fill it; until then it holds NaN,
-so a forgotten one fails at the first loss instead of training. A non-persistent buffer the trial could not judge
-(its module cannot be copied, or its initialiser fails on the copy) and the real initialiser left unset is named in
-a warning of its own: no checkpoint will fill it.
-
-Loading a state dict into meta parameters would silently do nothing (copying into a tensor without storage), so
-modules built under :func:`track_meta_build` refuse it with the fix, unless ``assign=True`` replaces them.
+Every tensor starts out filled with a mark no initialiser writes and is checked after:
+see [Note: tensors no initialiser wrote]. Tied parameters: ``_tied_stand_ins``. Modules built under
+:func:`track_meta_build` refuse a ``load_state_dict`` that would be a silent no-op (``_refuse_load_into_meta``).
 """
 
 from __future__ import annotations
@@ -116,6 +88,8 @@ def track_meta_build() -> Generator[None, None, None]:
 def _refuse_load_into_meta(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict, *_: Any
 ) -> None:
+    """Loading a state dict into meta parameters would silently do nothing (copying into a tensor without storage), so
+    modules built under :func:`track_meta_build` refuse it with the fix, unless ``assign=True`` replaces them."""
     if local_metadata.get("assign_to_params_buffers", False):
         return
     meta = [
@@ -196,6 +170,18 @@ def _initialise(module: nn.Module, param_init_fn: ParamInitFn | None) -> None:
         module.reset_parameters()
 
 
+# [Note: tensors no initialiser wrote] Materialising a meta tensor gives it memory holding whatever was there. A
+# module's initialiser must write every tensor of its own, and one it forgets would train from garbage that looks like
+# numbers -- most often a buffer its ``__init__`` computes (a rotary embedding's inverse frequencies, a causal mask),
+# which a meta build computes on the meta device and so loses. Every tensor is therefore materialised filled with a
+# value no initialiser writes (NaN; integers: their largest value; booleans: the byte 255) and checked after its
+# initialiser ran. A non-persistent buffer left so is refused before anything is materialised, since no state dict will
+# ever fill it: the initialiser of each module holding one is first run on a scratch copy of it (the random stream
+# restored after); replayed, one that no recorded op writes is refused. A parameter or persistent buffer left so is
+# named in one warning, since a checkpoint loaded after setup may be meant to fill it; until then it holds NaN, so a
+# forgotten one fails at the first loss instead of training. A non-persistent buffer the trial could not judge (its
+# module cannot be copied, or its initialiser fails on the copy) and the real initialiser left unset is named in a
+# warning of its own: no checkpoint will fill it.
 def _marked_empty(like: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor shaped like ``like`` on ``device``, filled with what no initialiser writes (see [Note: tensors no
     initialiser wrote]): NaN; an integer's largest value; for booleans the byte 255, which no boolean op writes.
@@ -360,7 +346,12 @@ def _materialize_by_replay(
     owners_of: dict[int, list[tuple[nn.Module, str]]],
     on_param_ready: Callable[[nn.Parameter, nn.Parameter], None],
 ) -> tuple[list[str], list[str]]:
-    """Module by module in module order, each module's own tensors computed from their slice of ``program``."""
+    """Module by module in module order, each module's own tensors computed from their slice of ``program``.
+
+    A seeded meta build then gets exactly the eager build's values and leaves the random stream where the eager build
+    left it, whatever order ``__init__`` initialises in -- a parent initialising its own parameters after its child's
+    (LitGPT's ``LoRALinear``), one ``self.apply(self._init_weights)`` sweep at the end (GPT-2), a buffer computed from
+    ``torch.arange`` (rotary ``inv_freq``). A tied parameter gets what the eager build's ops on it left."""
     states = program.run_stream(device)
     unset: list[str] = []
     lost: list[str] = []
@@ -398,7 +389,12 @@ def _materialize_by_initialisers(
     owners_of: dict[int, list[tuple[nn.Module, str]]],
     on_param_ready: Callable[[nn.Parameter, nn.Parameter], None],
 ) -> tuple[list[str], list[str]]:
-    """Module by module in module order, each initialised by ``param_init_fn`` or its ``reset_parameters()``."""
+    """Module by module in module order, each initialised by ``param_init_fn`` or its ``reset_parameters()``.
+
+    The way with a ``param_init_fn``, for a model put on the meta device by hand, or where the program cannot be
+    replayed (the reason is logged). Each initialiser must touch only the module's own tensors, as torch's built-in
+    modules do; that gives the eager values only when module (pre-)order is the order the eager ``__init__`` initialised
+    them in (a parent's own parameters are initialised before its children's)."""
     stand_ins = _tied_stand_ins(owners_of)
     unset: list[str] = []  # a checkpoint loaded later may fill these
     lost: list[str] = []  # non-persistent buffers (no checkpoint holds them) the scratch trial could not judge
@@ -454,8 +450,16 @@ def _listed(names: list[str]) -> str:
 
 
 def _tied_stand_ins(owners_of: dict[int, list[tuple[nn.Module, str]]]) -> dict[int, list[str]]:
-    """For each module, the tied parameters it owns but does not initialise: every owner but the creator (the
-    first owner when no creator was recorded)."""
+    """For each module, the tied parameters it owns but does not initialise: every owner but the creator (the first
+    owner when no creator was recorded).
+
+    A parameter shared by several modules (weight tying) is materialised once and set on every owner, so the tie
+    survives. Without a replay it takes the init an eager build gives it: that of the module that created it
+    (``lm_head`` in ``wte.weight = lm_head.weight``), not of whichever owner comes first in module order.
+    :func:`track_meta_build` records each meta parameter's creator (its first registration) while a model is built;
+    every other owner still runs its initialiser, on a scratch tensor, so the random stream advances exactly as in the
+    eager build, where each module initialised its own tensor before the tie replaced it. Without a record (a model
+    built on the meta device outside that context) the first owner in module order initialises it."""
     stand_ins: dict[int, list[str]] = {}
     for owners in owners_of.values():
         if len(owners) < 2:

@@ -1,29 +1,10 @@
 """The initialisation program of a meta-device build: recorded while the model is built, replayed to materialise it.
 
-[Note: replaying the eager build's init] On the meta device every initialiser an eager ``__init__`` runs (a
-module's ``reset_parameters`` from its constructor, a model's ``self.apply(self._init_weights)``, a rotary
-embedding's ``inv_freq`` computed from ``torch.arange``) does nothing, so the values a seeded eager build gets are
-lost. While :func:`recording` is active, every op on meta tensors is recorded in global order (a
-``TorchDispatchMode``: the aten ops ``normal_``, ``uniform_``, ``copy_``, ``arange``, ``pow``, ...), with its
-non-tensor arguments; a meta tensor is referred to by its storage and its geometry, so an op through ``.data``, a
-``nn.Parameter`` wrapping or a view lands on the tensor it changes. What no aten op shows is seen one level up (a
-``TorchFunctionMode``): the few torch initialisers that skip meta tensors by hand (``trunc_normal_``,
-``orthogonal_``, ``dirac_``, ``sparse_``) are recorded whole when they ask ``tensor.is_meta``, and a tensor made
-from Python data (``torch.tensor([...])``, ``new_tensor``) is recorded with its data.
-
-Materialising replays the program on real tensors in two passes. The stream pass runs every random op in recorded
-order into scratch tensors of its geometry on the target device and keeps the generator's state before each, so
-the random stream advances exactly as in the eager build; the final state is restored at the end, so what runs
-after setup (dropout) draws what it would after the eager build. Then each module's own tensors are computed from
-their slice of the program -- the ops their final values depend on (an op a later one fully overwrites is dead and
-left out) -- with each random op drawing from its saved state. So modules can be materialised one at a time, in
-any order, and a model that initialises in one sweep at the end of ``__init__`` still peaks at about one unit plus
-the shards. The price is that every random op runs twice (once into scratch).
-
-What cannot be replayed makes :func:`InitProgram.unsupported` say why, and the caller falls back to running each
-module's initialiser: an op that resizes or re-points a meta tensor's storage (``resize_``, ``set_``), one that
-writes a real tensor from a meta one, one that views a tensor as another dtype, one returning a mix of views and new
-tensors. Ops on meta tensors after the recording ended (an init applied after the meta build) are not seen.
+On the meta device the initialisers an eager ``__init__`` runs do nothing. :func:`recording` records every op on meta
+tensors into an :class:`InitProgram`; materialising replays, on real tensors, the ops each module's tensors depend on,
+so a seeded meta build gets exactly the eager build's values and leaves the random stream where the eager build left it.
+How, and its price: [Note: replaying the eager build's init], above ``InitProgram``; what cannot be replayed:
+``InitProgram.refuse``.
 """
 
 from __future__ import annotations
@@ -160,6 +141,25 @@ class StreamStates:
             generator.set_state(state)
 
 
+# [Note: replaying the eager build's init] On the meta device every initialiser an eager ``__init__`` runs (a module's
+# ``reset_parameters`` from its constructor, a model's ``self.apply(self._init_weights)``, a rotary embedding's
+# ``inv_freq`` computed from ``torch.arange``) does nothing, so the values a seeded eager build gets are lost. While
+# :func:`recording` is active, every op on meta tensors is recorded in global order (a ``TorchDispatchMode``: the aten
+# ops ``normal_``, ``uniform_``, ``copy_``, ``arange``, ``pow``, ...), with its non-tensor arguments; a meta tensor is
+# referred to by its storage and its geometry, so an op through ``.data``, a ``nn.Parameter`` wrapping or a view lands
+# on the tensor it changes. What no aten op shows is seen one level up (a ``TorchFunctionMode``): the few torch
+# initialisers that skip meta tensors by hand (``trunc_normal_``, ``orthogonal_``, ``dirac_``, ``sparse_``) are recorded
+# whole when they ask ``tensor.is_meta``, and a tensor made from Python data (``torch.tensor([...])``, ``new_tensor``)
+# is recorded with its data.
+#
+# Materialising replays the program on real tensors in two passes. The stream pass (``run_stream``) runs every random op
+# in recorded order into scratch tensors of its geometry on the target device and keeps the generator's state before
+# each, so the random stream advances exactly as in the eager build; the final state is restored at the end, so what
+# runs after setup (dropout) draws what it would after the eager build. Then each module's own tensors are computed from
+# their slice of the program (``replay``) -- the ops their final values depend on (an op a later one fully overwrites is
+# dead and left out) -- with each random op drawing from its saved state. So modules can be materialised one at a time,
+# in any order, and a model that initialises in one sweep at the end of ``__init__`` still peaks at about one unit plus
+# the shards. The price is that every random op runs twice (once into scratch).
 class InitProgram:
     """The ops a meta build ran on meta tensors, in order (see [Note: replaying the eager build's init])."""
 
@@ -185,7 +185,12 @@ class InitProgram:
         )  # fmt: skip
 
     def refuse(self, reason: str) -> None:
-        """Mark the program as not replayable (the first reason is the one reported) and stop recording."""
+        """Mark the program as not replayable (the first reason is the one reported) and stop recording.
+
+        The caller then falls back to running each module's initialiser. What cannot be replayed: an op that resizes or
+        re-points a meta tensor's storage (``resize_``, ``set_``), one that writes a real tensor from a meta one, one
+        that views a tensor as another dtype, one returning a mix of views and new tensors. Ops on meta tensors after
+        the recording ended (an init applied after the meta build) are not seen."""
         if self.unsupported is None:
             self.unsupported = reason
 

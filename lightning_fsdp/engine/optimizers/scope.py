@@ -1,21 +1,8 @@
 """What an optimizer reads to update a parameter: each element on its own, the whole tensor, or other tensors too.
 
-[Note: asking the optimizer what it reads] A rank steps only the parameters it holds, so the engine must know, for
-each parameter an optimizer steps, what that step reads. The class cannot tell us (a third-party optimizer is not on
-any list, and a subclass may change its step), so the optimizer is asked by experiment: a *probe*, a copy of it with
-the same class, attributes and hyperparameters but fresh state and tensors of its own (the real optimizer, its
-parameters and its state are never touched), takes a few steps on a small tensor shaped like the parameter, three
-ways -- whole; split in two by rows, as ranks would hold it; and beside another tensor. An update that differs
-beside another tensor reads other tensors (``ACROSS_TENSORS``); one that differs split in two, or that keeps state
-not shaped like its parameter (row and column statistics, preconditioners, quantization blocks and their maps),
-reads the whole tensor (``TENSOR``); only an update that is the same to the bit either way is ``ELEMENTWISE``. The
-rows of the probe differ in magnitude by orders, so a statistic over rows cannot agree by chance.
-
-Tensors of up to ``PROBE_MAX_NUMEL`` elements are probed at their own shape, so size thresholds inside an optimizer
-(bitsandbytes' 4096-element switch to 8-bit states) are met as training meets them; larger ones at a shape scaled
-down to about that many elements. The torch optimizers whose answer is known skip the probe (``KNOWN_SCOPES``; a
-test keeps the table equal to the probe's answers), and ``declare_update_scope`` lets a user answer for a class
-whose probe cannot run (a step that needs more than a closure, say).
+A rank steps only the parameters it holds, so the engine must know what an optimizer's step reads. A scope declared with
+``declare_update_scope``, or that of a known torch optimizer (``KNOWN_SCOPES``), answers at once; any other optimizer is
+asked by experiment (``probe_scope``): see [Note: asking the optimizer what it reads], above it.
 """
 
 from __future__ import annotations
@@ -43,6 +30,7 @@ class UpdateScope(Enum):
 
 
 _E, _T, _A = UpdateScope.ELEMENTWISE, UpdateScope.TENSOR, UpdateScope.ACROSS_TENSORS
+# The torch optimizers whose answer is known skip the probe; a test keeps this table equal to the probe's answers.
 KNOWN_SCOPES: dict[type[Optimizer], UpdateScope] = {
     torch.optim.SGD: _E,
     torch.optim.Adam: _E,
@@ -63,6 +51,9 @@ if hasattr(torch.optim, "Muon"):  # torch 2.9 and later
 
 _DECLARED: WeakKeyDictionary[type, UpdateScope] = WeakKeyDictionary()
 
+# Tensors of up to this many elements are probed at their own shape, so size thresholds inside an optimizer
+# (bitsandbytes' 4096-element switch to 8-bit states) are met as training meets them; larger ones at a shape scaled
+# down to about that many elements (``probe_shape``).
 PROBE_MAX_NUMEL = 1 << 18
 PROBE_STEPS = 3
 PROBE_LR = 1e-2  # the probe's learning rate where the group's is zero
@@ -102,6 +93,17 @@ def probe_shape(shape: torch.Size) -> tuple[int, ...]:
     return tuple(max(2, math.ceil(d * scale)) if d > 1 else d for d in dims)
 
 
+# [Note: asking the optimizer what it reads] A rank steps only the parameters it holds, so the engine must know, for
+# each parameter an optimizer steps, what that step reads. The class cannot tell us (a third-party optimizer is not on
+# any list, and a subclass may change its step), so the optimizer is asked by experiment: a *probe*, a copy of it with
+# the same class, attributes and hyperparameters but fresh state and tensors of its own (the real optimizer, its
+# parameters and its state are never touched), takes a few steps on a small tensor shaped like the parameter, three ways
+# -- whole; split in two by rows, as ranks would hold it; and beside another tensor. An update that differs beside
+# another tensor reads other tensors (``ACROSS_TENSORS``); one that differs split in two, or that keeps state not shaped
+# like its parameter (row and column statistics, preconditioners, quantization blocks and their maps), reads the whole
+# tensor (``TENSOR``); only an update that is the same to the bit either way is ``ELEMENTWISE``. The rows of the probe
+# differ in magnitude by orders, so a statistic over rows cannot agree by chance. ``declare_update_scope`` lets a user
+# answer for a class whose probe cannot run (a step that needs more than a closure, say).
 def probe_scope(optimizer: Optimizer, group_index: int, shape: tuple[int, ...], like: torch.Tensor) -> UpdateScope:
     """Ask ``optimizer`` (by its probe) what its group ``group_index`` reads to update a tensor of ``shape`` in the
     dtype and on the device of ``like``. Raises ``ProbeFailedError`` when the probe cannot step."""

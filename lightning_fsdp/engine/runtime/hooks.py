@@ -10,70 +10,8 @@ Read top to bottom, this file is the six stages of a step (``docs/design.md``):
 5. unit post-backward, once the unit's whole backward has run: reshard, reduce;
 6. root post-backward, a callback queued on the autograd engine: finish every reduction, reshard what is left.
 
-[Note: why the pre-backward hook sits on the outputs] Autograd runs a unit's backward right after the gradients of
-its outputs exist, so a hook on those outputs is the first moment the unit's full parameters are needed again --
-and it fires before any op inside the unit. A unit called twice gets two hooks; the second finds it unsharded.
-
-[Note: backward inside a forward] Under Lightning the root unit's forward is the whole training_step, and with
-manual optimization that step runs backward itself, maybe several times (a GAN: one per optimizer). A unit whose
-forward is still running when a backward ends must stay gathered: the rest of its forward uses its parameters.
-So post-backward and the final callback leave a unit with ``in_forward`` set gathered (its gradients are reduced
-as usual), and its own post-forward decides as it always does -- except the root's: a backward that finished inside
-the root's forward was that step's backward, and the output it returns (Lightning's logged loss) is not backwarded
-again, so its post-forward reshards every unit, as after an evaluation forward. Otherwise the root would stay
-gathered until the next step: more memory between steps, and a checkpoint at the batch end (``ModelCheckpoint``,
-the SLURM requeue) would see full parameters where the optimizer holds shards. Should a backward come after all,
-its pre-backward gathers the root again.
-
-[Note: hooks stay out of compiled graphs] ``torch.compile`` of the whole model would otherwise trace these hooks:
-the gathers, the storage resizes and the unit state machine are Python side effects on tensors whose sizes
-dynamo makes symbolic (automatic dynamic shapes), and the traced ``split_with_sizes_copy`` then rejects them. So
-the four runtime entry points (pre-/post-forward, pre-backward, gradient accumulated) are
-``torch.compiler.disable``d: dynamo breaks the graph around each hook call and runs the hook eagerly, and the
-compute between hooks -- the blocks themselves -- compiles into graphs. The full parameters keep their identity
-across steps (see [Note: storage freeing and tensor identity] in ``param.py``), so the graphs' guards on them hold
-and nothing recompiles. ``tests/test_engine_compile.py`` checks that no hook is a frame of its own.
-
-[Note: units compile with static sizes] Around those graph breaks each unit's forward is a frame of its own, and
-the units of one class (a ResNet's BasicBlocks of different widths and strides) share one code object: dynamo
-compiles it once per unit and, when a guarded size or int differs from the unit before, makes it symbolic
-("automatic dynamic shapes"). What keeps plain torch static there is that module attributes are specialised:
-parameters, buffers and ints such as a convolution's stride of an ordinary module are constants of the graph. A
-module marked ``_is_fsdp_managed_module`` is wrapped as torch FSDP1's instead, whose buffers and ints are neither,
-so every block after the first recompiled with symbolic sizes (and inductor failed on them: "Cannot convert
-expression to float"). Hence ``fully_shard`` marks only the models and containers above the units, which libraries
-ask (see ``_mark_fsdp_managed`` in api.py), never a unit's own modules; and the hooks are registered as partials of
-the disabled functions, not lambdas, so no hook is a frame of its own that dynamo compiles (and recompiles per
-input shape). Each unit then compiles once with its modules' sizes and ints static; only an input whose sizes differ
-from the unit compiled before still becomes symbolic, as in plain torch. ``tests/test_engine_compile_conv.py``.
-
-[Note: post-backward by counting] A post-accumulate-grad hook fires exactly once per backward for every leaf that
-received a gradient, after all its uses have been summed (a unit called twice included). When the count reaches
-the unit's trainable parameters, its gradients are complete. A unit some of whose parameters got no gradient
-(an unused branch) is reduced by the final callback instead, in reverse forward order on every rank alike.
-
-[Note: post-backward of partly frozen units] Complete gradients do not mean a finished backward when some of the
-unit's parameters are frozen: a frozen norm used first in forward is read last in backward, to compute the gradient
-of the unit's input, after every trainable gradient is in. Resharding then frees memory autograd is about to read
-(SIGSEGV with RMSNorm, wrong input gradients when the memory is reused). A unit with a frozen sharded parameter
-therefore also waits for the gradients of its forward inputs -- a hook on the inputs that need one, as torch's FSDP2
-does -- and, when none of its inputs needs a gradient (the first unit, whose inputs are token ids), for the final
-callback. Which nodes can read a frozen parameter: one whose outputs are gradients of trainable parameters (it runs
-before their accumulation, so the count covers it) or of the unit's inputs (the input hook covers it). Units with
-every parameter trainable keep the count alone, so their reductions start as early as before.
-
-[Note: a submodule called while its unit is sharded] A unit gathers its parameters in its own forward, so a call
-straight into one of its submodules from outside (``pl_module.model(x)`` in a Lightning callback, whose root unit is
-the LightningModule) finds this rank's rows where the full tensors belong, and fails deep inside with whatever the
-op makes of the wrong shape (an embedding's bare ``IndexError``), or silently computes with the rows. The root unit
-therefore puts one forward pre-hook on each of its direct children that uses its sharded parameters (not on units,
-not deeper): it raises a sentence naming the unit and the fix when the root does not show its full parameters. That
-is a handful of cheap checks per step, at the root only: the root is what code outside the forward reaches into,
-and a hook on every submodule of every unit would tax each forward. A call into a non-root unit's submodule is not
-guarded. ``fully_shard`` on a parent makes a new root, and the old root's guards are removed.
-
 What the units of one root share -- the forward order, the prefetches, the reductions in flight, the end-of-backward
-callback -- is ``RootContext`` in ``root.py``.
+callback -- is ``RootContext`` in ``root.py``. The subtle parts are explained in Notes beside the code they concern.
 """
 
 from __future__ import annotations
@@ -95,8 +33,6 @@ from lightning_fsdp.engine.runtime.unit import FSDPUnit
 
 log = logging.getLogger(__name__)
 
-# At most this many units gathered ahead of their use (the rate limiter of ``limit_all_gathers``).
-
 
 def context_of(unit: FSDPUnit) -> RootContext:
     if unit.context is None:  # the first forward through this unit: it is the root
@@ -107,6 +43,14 @@ def context_of(unit: FSDPUnit) -> RootContext:
 # ----- stages 1-3: forward -----------------------------------------------------------------------------------------
 
 
+# [Note: hooks stay out of compiled graphs] ``torch.compile`` of the whole model would otherwise trace these hooks: the
+# gathers, the storage resizes and the unit state machine are Python side effects on tensors whose sizes dynamo makes
+# symbolic (automatic dynamic shapes), and the traced ``split_with_sizes_copy`` then rejects them. So the runtime entry
+# points (pre-/post-forward, pre-backward, gradient accumulated, input gradients) are ``torch.compiler.disable``d:
+# dynamo breaks the graph around each hook call and runs the hook eagerly, and the compute between hooks -- the blocks
+# themselves -- compiles into graphs. The full parameters keep their identity across steps
+# (see [Note: storage freeing and tensor identity] in ``param.py``), so the graphs' guards on them hold and nothing
+# recompiles. ``tests/test_engine_compile.py`` checks that no hook is a frame of its own.
 @torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
 def pre_forward(unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     context = context_of(unit)
@@ -145,6 +89,16 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
+# [Note: backward inside a forward] Under Lightning the root unit's forward is the whole training_step, and with manual
+# optimization that step runs backward itself, maybe several times (a GAN: one per optimizer). A unit whose forward is
+# still running when a backward ends must stay gathered: the rest of its forward uses its parameters. So post-backward
+# and the final callback leave a unit with ``in_forward`` set gathered (its gradients are reduced as usual), and its own
+# post-forward decides as it always does -- except the root's: a backward that finished inside the root's forward was
+# that step's backward, and the output it returns (Lightning's logged loss) is not backwarded again, so its post-forward
+# reshards every unit, as after an evaluation forward. Otherwise the root would stay gathered until the next step: more
+# memory between steps, and a checkpoint at the batch end (``ModelCheckpoint``, the SLURM requeue) would see full
+# parameters where the optimizer holds shards. Should a backward come after all, its pre-backward gathers the root
+# again.
 @torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
 def post_forward(unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) -> Any:
     context = context_of(unit)
@@ -169,6 +123,10 @@ def post_forward(unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) ->
 # ----- stages 4-5: backward ----------------------------------------------------------------------------------------
 
 
+# [Note: why the pre-backward hook sits on the outputs] Autograd runs a unit's backward right after the gradients of its
+# outputs exist, so a hook on those outputs (registered by ``post_forward``) is the first moment the unit's full
+# parameters are needed again -- and it fires before any op inside the unit. A unit called twice gets two hooks; the
+# second finds it unsharded.
 @torch.compiler.disable  # see [Note: hooks stay out of compiled graphs]
 def pre_backward(unit: FSDPUnit) -> None:
     context = context_of(unit)
@@ -206,8 +164,23 @@ def on_input_grads(unit: FSDPUnit) -> None:
     _post_backward_if_done(unit)
 
 
+# [Note: post-backward by counting] A post-accumulate-grad hook fires exactly once per backward for every leaf that
+# received a gradient, after all its uses have been summed (a unit called twice included). When the count reaches the
+# unit's trainable parameters, its gradients are complete. A unit some of whose parameters got no gradient (an unused
+# branch) is reduced by the final callback instead, in reverse forward order on every rank alike.
+#
+# [Note: post-backward of partly frozen units] Complete gradients do not mean a finished backward when some of the
+# unit's parameters are frozen: a frozen norm used first in forward is read last in backward, to compute the gradient of
+# the unit's input, after every trainable gradient is in. Resharding then would free memory autograd is about to read
+# (SIGSEGV with RMSNorm, wrong input gradients when the memory is reused). A unit with a frozen sharded parameter
+# therefore also waits for the gradients of its forward inputs -- a hook on the inputs that need one
+# (``_hook_input_grads``), as torch's FSDP2 does -- and, when none of its inputs needs a gradient (the first unit, whose
+# inputs are token ids), for the final callback. Which nodes can read a frozen parameter: one whose outputs are
+# gradients of trainable parameters (it runs before their accumulation, so the count covers it) or of the unit's inputs
+# (the input hook covers it). Units with every parameter trainable keep the count alone, so their reductions start as
+# soon as their gradients are in.
 def _post_backward_if_done(unit: FSDPUnit) -> None:
-    """Stage 5 once the unit's backward is complete (see the two notes on post-backward above)."""
+    """Stage 5 once the unit's backward is complete (see the two Notes right above)."""
     if unit.backward_complete:
         post_backward(unit)
 
@@ -216,8 +189,17 @@ def post_backward(unit: FSDPUnit) -> None:
     context_of(unit).post_backward(unit)
 
 
+# [Note: a submodule called while its unit is sharded] A unit gathers its parameters in its own forward, so a call
+# straight into one of its submodules from outside (``pl_module.model(x)`` in a Lightning callback, whose root unit is
+# the LightningModule) finds this rank's rows where the full tensors belong, and fails deep inside with whatever the op
+# makes of the wrong shape (an embedding's bare ``IndexError``), or silently computes with the rows. The root unit
+# therefore puts one forward pre-hook on each of its direct children that uses its sharded parameters (not on units, not
+# deeper): it raises a sentence naming the unit and the fix when the root does not show its full parameters. That is a
+# handful of cheap checks per step, at the root only: the root is what code outside the forward reaches into, and a hook
+# on every submodule of every unit would tax each forward. A call into a non-root unit's submodule is not guarded.
+# ``fully_shard`` on a parent makes a new root, and the old root's guards are removed.
 def guard_ungathered_calls(root: FSDPUnit) -> None:
-    """See [Note: a submodule called while its unit is sharded]."""
+    """Hook the root's direct children that use its sharded parameters (see the Note right above)."""
     owners = {id(module) for fsdp_param in root.params if not fsdp_param.is_whole for module, _ in fsdp_param.owners}
     handles = [
         child.register_forward_pre_hook(lambda module, args, name=name: _refuse_if_sharded(root, module, name))
@@ -237,6 +219,19 @@ def _refuse_if_sharded(unit: FSDPUnit, module: nn.Module, name: str) -> None:
         )
 
 
+# [Note: units compile with static sizes] Around the hooks' graph breaks (see [Note: hooks stay out of compiled graphs])
+# each unit's forward is a frame of its own, and the units of one class (a ResNet's BasicBlocks of different widths and
+# strides) share one code object: dynamo compiles it once per unit and, when a guarded size or int differs from the unit
+# before, makes it symbolic ("automatic dynamic shapes"). What keeps plain torch static there is that module attributes
+# are specialised: parameters, buffers and ints such as a convolution's stride of an ordinary module are constants of
+# the graph. A module marked ``_is_fsdp_managed_module`` is wrapped as torch FSDP1's instead, whose buffers and ints are
+# neither, so every block after the first would recompile with symbolic sizes (which inductor can fail on: "Cannot
+# convert expression to float"). Hence ``fully_shard`` marks only the models and containers above the units, which
+# libraries ask (see ``_mark_fsdp_managed`` in api.py), never a unit's own modules; and the hooks are registered as
+# partials of the disabled functions, not lambdas, so no hook is a frame of its own that dynamo compiles (and recompiles
+# per input shape). Each unit then compiles once with its modules' sizes and ints static; only an input whose sizes
+# differ from the unit compiled before still becomes symbolic, as in plain torch. ``tests/test_engine_compile_conv.py``
+# checks it.
 def install_hooks(unit: FSDPUnit) -> None:
     """Registered once per unit; nothing is re-registered per step except the hook on each forward's outputs."""
     # Partials, not lambdas: see [Note: units compile with static sizes].

@@ -1,34 +1,10 @@
 """One parameter's two lives: the local dim-0 shard the optimizer owns, and the full tensor the forward uses.
 
-[Note: storage freeing and tensor identity] The unsharded parameter is created once and keeps its identity for the
-life of the model: autograd saves it for backward, and post-accumulate-grad hooks are registered on it once. Between
-uses only its *storage* is released (``untyped_storage().resize_(0)``) and re-allocated on the next unshard, so the
-memory is given back while every saved reference stays a valid object. Data is written through ``.data`` aliases,
-which have their own version counter: re-gathering the same values in backward must not look to autograd like an
-in-place modification of a tensor it saved in forward.
-
-[Note: one rank keeps the parameter whole] When a parameter's rows are spread over one rank and its gradient is
-summed over no other (world size 1), in its own dtype on its own device, its shard *is* the full tensor: the
-parameter stays the very object the module registered, and the unit gathers, copies and reduces nothing. Forward
-and backward then run as the plain module does, gradients stay where autograd accumulated them, and the optimizer
-steps them in place; every API (state dicts, clipping, checkpoints) sees the same shapes and names as at any world
-size. ``devices=1`` is how users debug, so it must cost what the plain module costs.
-
-[Note: memory formats are kept] A parameter whose rows (dim 0) are blocks of memory of their own -- any dense layout
-with dim 0 outermost, such as a ``channels_last`` convolution weight -- keeps its memory format in all three of
-its tensors: the shard, the unsharded tensor and the gathered master. Every flat buffer (the padded shard, the
-all-gather's output, the gradient packed for the reduce-scatter, the reduced rows) holds the elements in the
-parameter's memory order (``dim_order``), which row by row is the same split as the logical one, so nothing else
-changes: gathering is the same one copy, and ``laid_out`` views the flat buffer with the original strides. A
-gradient in another layout is packed in that order by a copy. A layout whose rows are not blocks of memory (a
-transposed weight, dim 0 innermost) is kept contiguous, as before.
-
-[Note: summoned parameters are the masters] ``summon_full_params`` shows each parameter as its full value gathered
-from the shards in their own dtype (fp32 masters under mixed precision), as a tensor of its own: never the forward's
-unsharded tensor, which holds ``param_dtype`` copies. Reading the model inside the block therefore sees exactly the
-values the optimizer steps and a full state dict saves, and writing back on exit copies those same values into the
-shards, so a read-only look changes no bit of any master weight; an edit sticks exactly as written. The forward's
-unsharded tensors are left alone (freed), so training afterwards gathers in ``param_dtype`` as before.
+``ShardLayout`` says which rows of the full tensor a rank holds; ``FSDPParam`` holds the shard (the master weights, in
+the parameter's own dtype) and the full tensor (in ``param_dtype`` on the compute device), whose storage is freed
+between uses. Its Notes sit above the code they explain: ``_init_whole`` ([Note: one rank keeps the parameter whole]),
+``flat`` ([Note: memory formats are kept]), ``alloc_unsharded`` ([Note: storage freeing and tensor identity]) and
+``register_summoned`` ([Note: summoned parameters are the masters]).
 """
 
 from __future__ import annotations
@@ -158,6 +134,12 @@ class FSDPParam:
         self._initial_version = self.sharded._version
         self.summoned: nn.Parameter | None = None  # the full master value inside summon_full_params
 
+    # [Note: one rank keeps the parameter whole] When a parameter's rows are spread over one rank and its gradient is
+    # summed over no other (world size 1), in its own dtype on its own device, its shard *is* the full tensor: the
+    # parameter stays the very object the module registered, and the unit gathers, copies and reduces nothing. Forward
+    # and backward then run as the plain module does, gradients stay where autograd accumulated them, and the optimizer
+    # steps them in place; every API (state dicts, clipping, checkpoints) sees the same shapes and names as at any world
+    # size. ``devices=1`` is how users debug, so it must cost what the plain module costs.
     def _init_whole(self, param: nn.Parameter) -> None:
         dense = param.permute(self.dim_order).is_contiguous()
         whole = param if dense else nn.Parameter(param.detach().contiguous(), param.requires_grad)
@@ -181,6 +163,14 @@ class FSDPParam:
         self._unsharded_data = padded_full.data  # see [Note: storage freeing and tensor identity]
         self.free_unsharded()
 
+    # [Note: memory formats are kept] A parameter whose rows (dim 0) are blocks of memory of their own -- any dense
+    # layout with dim 0 outermost, such as a ``channels_last`` convolution weight -- keeps its memory format in all
+    # three of its tensors: the shard, the unsharded tensor and the gathered master. Every flat buffer (the padded
+    # shard, the all-gather's output, the gradient packed for the reduce-scatter, the reduced rows) holds the elements
+    # in the parameter's memory order (``dim_order``), which row by row is the same split as the logical one, so nothing
+    # else changes: gathering is the same one copy, and ``laid_out`` views the flat buffer with the original strides. A
+    # gradient in another layout is packed in that order by a copy. A layout whose rows are not blocks of memory (a
+    # transposed weight, dim 0 innermost) is kept contiguous.
     def flat(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (this parameter's full shape or its shard's) as 1-D in the parameter's memory order: a view when
         it is laid out as the parameter, a copy otherwise (a gradient autograd made contiguous, say)."""
@@ -257,6 +247,12 @@ class FSDPParam:
         """The padded full buffer the all-gather output is copied into (a ``.data`` alias; no version bumps)."""
         return self._unsharded_data
 
+    # [Note: storage freeing and tensor identity] The unsharded parameter is created once and keeps its identity for the
+    # life of the model: autograd saves it for backward, and post-accumulate-grad hooks are registered on it once.
+    # Between uses only its *storage* is released (``untyped_storage().resize_(0)``) and re-allocated on the next
+    # unshard, so the memory is given back while every saved reference stays a valid object. Data is written through
+    # ``.data`` aliases, which have their own version counter: re-gathering the same values in backward must not look to
+    # autograd like an in-place modification of a tensor it saved in forward.
     def alloc_unsharded(self) -> None:
         if self.is_whole:
             return
@@ -298,6 +294,13 @@ class FSDPParam:
         else:
             self.sharded.grad.add_(grad.to(self.sharded.device))
 
+    # [Note: summoned parameters are the masters] ``summon_full_params`` shows each parameter as its full value gathered
+    # from the shards in their own dtype (fp32 masters under mixed precision), as a tensor of its own: never the
+    # forward's unsharded tensor, which holds ``param_dtype`` copies. Reading the model inside the block therefore sees
+    # exactly the values the optimizer steps and a full state dict saves, and writing back on exit copies those same
+    # values into the shards, so a read-only look changes no bit of any master weight; an edit sticks exactly as
+    # written. The forward's unsharded tensors are left alone (freed), so training afterwards gathers in ``param_dtype``
+    # as usual.
     def register_summoned(self, full: torch.Tensor) -> None:
         """Register ``full`` -- this parameter's full value in the masters' own dtype, gathered from the shards --
         for ``summon_full_params``; see [Note: summoned parameters are the masters].

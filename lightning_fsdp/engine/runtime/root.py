@@ -1,41 +1,10 @@
-"""What the units of one root share: the order a forward runs them in, the gathers prefetched, the reductions in
-flight, the callback that ends backward, and the transports chosen at the root's lazy init (the one place for
-root-only decisions; safe to run again).
+"""What the units of one root share: the order a forward runs them in, the gathers prefetched, the reductions in flight,
+the callback that ends backward, and the transports chosen at the root's lazy init (the one place for root-only
+decisions; safe to run again).
 
-[Note: the last unit stays gathered] Backward starts with the unit forward ran last: resharding it after its
-forward, only to gather it again a moment later, costs a whole gather and makes every rank wait for the slowest
-at the very start of backward, for no memory saved (the peak of a step is in backward, where that unit is gathered
-anyway). So once the forward order is known (after the first backward), a training forward leaves the last unit in
-that order gathered, as torchtitan configures torch's FSDP2; backward uses it as it is, and the end of backward
-reshards it with every other unit. Where the gathers cross hosts, backward's first unit prefetches the
-``prefetch_depth`` units before it (see [Note: the link's queue]), so those are gathered at the start of backward
-as well: with ``BACKWARD_PRE`` the last ``1 + prefetch_depth`` units stay gathered, which saves their second trip
-over the link. The memory is what backward's start holds anyway, except that the two units now also coexist with the
-first gradients of backward (a language model's output head, before its early reduction); what that costs is in
-``benchmarks/history.md``. ``backward_prefetch``
-other than ``BACKWARD_PRE`` keeps only the last unit.
-
-[Note: gradients that arrive long before their unit's backward ends] A unit's backward ends where its forward
-began, and a unit around others -- the root above all -- spans the whole backward: a language model's output head
-(its largest tensor with the embedding) is the first gradient of the step, the embedding's the last. Reduced with
-the unit's other gradients at the end, the head would keep its full weight and its full gradient alive through
-every block's backward (the peak of the step) and its reduction could overlap nothing. But a gradient that has
-arrived is complete: its post-accumulate hook fires once all its uses are summed, and no node of this backward
-reads its parameter any more (each node that saved the parameter produced a gradient for it, so ran before). So
-when another unit's backward begins, the gradients the units still in backward hold -- if there are at least
-``EARLY_REDUCTION_MIN_BYTES`` of them, so that a collective of their own pays -- are reduced at once in their own
-collective, queued behind as any reduction, and their full parameters freed (the shards registered); the unit's own
-reduction at its end takes the rest. The units stay those the policy named. Not with gradient sync off (nothing is
-reduced), inside a forward (manual optimisation: the rest of the forward reads the parameters), or when a gradient
-arrives twice in one backward (a reentrant checkpoint's second graph: refused, the first was reduced already).
-
-[Note: the link's queue] On one host a gather or reduction is done almost as soon as it is issued; across a link
-it takes longer than the compute around it, and the link idles whenever nothing is queued behind the collective in
-flight. So when a root's collectives cross hosts (``Transport.crosses_hosts``), it keeps the link's queue full: the
-gathers of the next ``MAX_PREFETCHED_UNITS`` units (not one) are issued ahead in both directions, forward prefetch is on
-unless the user turned it off (``forward_prefetch=None``, the default), and two reductions stay in flight behind the
-current one instead of one. The rate limiter bounds the gathered units as always; what grows is a reduction's send
-buffer more alive at once (measured: ``benchmarks/history.md``).
+Its Notes sit above the code they explain: ``_choose_transports`` ([Note: the link's queue]),
+``gathered_when_backward_starts`` ([Note: the last unit stays gathered]) and ``reduce_early_grads``
+([Note: gradients that arrive long before their unit's backward ends]).
 """
 
 from __future__ import annotations
@@ -56,6 +25,8 @@ from lightning_fsdp.engine.transport.identity import Ledger
 
 log = logging.getLogger(__name__)
 
+# At most this many units gathered ahead of their use (the rate limiter of ``limit_all_gathers``); across hosts also
+# how many are prefetched (see [Note: the link's queue]).
 MAX_PREFETCHED_UNITS = 2
 
 
@@ -69,7 +40,7 @@ class RootContext:
         self._position: dict[int, int] = {}
         self.order_frozen = False
         self.pending: deque[PendingGradReduction] = deque()
-        self.early_grads: list[FSDPUnit] = []  # units holding gradients while others' backward runs (see the Note)
+        self.early_grads: list[FSDPUnit] = []  # units holding gradients mid-backward (see reduce_early_grads)
         self.transports: dict[int, Transport] = {}  # by id of the process group (see [Note: one transport per group])
         self.ledger: Ledger | None = None  # numbers the units' collectives (see [Note: collective identity])
         self.callback_queued = False
@@ -85,7 +56,7 @@ class RootContext:
         # See [Note: the link's queue]; set once the transports are chosen.
         self.gathers_cross_hosts = False
         self.prefetch_depth = 1
-        self.gathered_for_backward = 1  # the last units of forward that stay gathered (see the Note on the last unit)
+        self.gathered_for_backward = 1  # see [Note: the last unit stays gathered]
         self.reductions_in_flight = 1
 
     def lazy_init(self) -> None:
@@ -119,6 +90,13 @@ class RootContext:
         for group in groups:
             check_same_model(prints, group)
 
+    # [Note: the link's queue] On one host a gather or reduction is done almost as soon as it is issued; across a link
+    # it takes longer than the compute around it, and the link idles whenever nothing is queued behind the collective in
+    # flight. So when a root's collectives cross hosts (``Transport.crosses_hosts``), it keeps the link's queue full:
+    # the gathers of the next ``MAX_PREFETCHED_UNITS`` units (not one) are issued ahead in both directions, forward
+    # prefetch is on unless the user turned it off (``forward_prefetch=None``, the default), and two reductions stay in
+    # flight behind the current one instead of one. The rate limiter bounds the gathered units as always; what grows is
+    # the reductions' send buffers alive at once (their cost: ``benchmarks/history.md``).
     def _choose_transports(self) -> None:
         """One transport per group the units communicate over, sized for the largest collective of each kind there
         (a collective over the group: this runs at the root's first forward, on every rank alike).
@@ -211,6 +189,17 @@ class RootContext:
             self._position[id(unit)] = len(self.forward_order)
             self.forward_order.append(unit)
 
+    # [Note: the last unit stays gathered] Backward starts with the unit forward ran last: resharding it after its
+    # forward, only to gather it again a moment later, costs a whole gather and makes every rank wait for the slowest at
+    # the very start of backward, for no memory saved (the peak of a step is in backward, where that unit is gathered
+    # anyway). So once the forward order is known (after the first backward), a training forward leaves the last unit in
+    # that order gathered, as torchtitan configures torch's FSDP2; backward uses it as it is, and the end of backward
+    # reshards it with every other unit. Where the gathers cross hosts, backward's first unit prefetches the
+    # ``prefetch_depth`` units before it (see [Note: the link's queue]), so those are gathered at the start of backward
+    # as well: with ``BACKWARD_PRE`` the last ``1 + prefetch_depth`` units stay gathered, which saves their second trip
+    # over the link. The memory is what backward's start holds anyway, except that those units now also coexist with the
+    # first gradients of backward (a language model's output head, before its early reduction); its cost:
+    # ``benchmarks/history.md``. ``backward_prefetch`` other than ``BACKWARD_PRE`` keeps only the last unit.
     def gathered_when_backward_starts(self, unit: FSDPUnit) -> bool:
         """Whether backward's first unit or its prefetches are ``unit`` (see [Note: the last unit stays gathered])."""
         return self.order_frozen and unit in self.forward_order[-self.gathered_for_backward :]
@@ -271,6 +260,20 @@ class RootContext:
             self.prefetch(self.neighbour(unit, -1))
         self.enqueue_reduction(unit.finish_backward())
 
+    # [Note: gradients that arrive long before their unit's backward ends] A unit's backward ends where its forward
+    # began, and a unit around others -- the root above all -- spans the whole backward: a language model's output head
+    # (its largest tensor with the embedding) is the first gradient of the step, the embedding's the last. Reduced with
+    # the unit's other gradients at the end, the head would keep its full weight and its full gradient alive through
+    # every block's backward (the peak of the step) and its reduction could overlap nothing. But a gradient that has
+    # arrived is complete: its post-accumulate hook fires once all its uses are summed, and no node of this backward
+    # reads its parameter any more (each node that saved the parameter produced a gradient for it, so ran before). So
+    # when another unit's backward begins, the gradients the units still in backward hold -- if there are at least
+    # ``EARLY_REDUCTION_MIN_BYTES`` of them (``unit.py``), so that a collective of their own pays -- are reduced at once
+    # in their own collective, queued behind as any reduction, and their full parameters freed (the shards registered);
+    # the unit's own reduction at its end takes the rest. The units stay those the policy named. Not with gradient sync
+    # off (nothing is reduced), inside a forward (manual optimisation: the rest of the forward reads the parameters), or
+    # when a gradient arrives twice in one backward (a reentrant checkpoint's second graph: refused, the first was
+    # reduced already).
     def reduce_early_grads(self, besides: FSDPUnit) -> None:
         """Another unit's backward begins: the gradients the units still in backward hold are complete, so reduce
         them now (see [Note: gradients that arrive long before their unit's backward ends])."""

@@ -1,22 +1,8 @@
 """``model.load_state_dict(full_state_dict)`` on a sharded model, through the modules' own loading code.
 
-[Note: loading through the modules' own hooks] After ``fully_shard`` every registered parameter is this rank's rows,
-so torch's own copy would refuse a full tensor (size mismatch). Modules also rename keys while they load (LitGPT's
-LoRA attention maps ``qkv.weight`` to ``qkv.linear.weight`` in its ``_load_from_state_dict`` before calling
-``super()``), so the keys are only final when ``nn.Module._load_from_state_dict`` of the module that owns a tensor
-starts: it runs the module's load pre-hooks first, after every ancestor's renaming and the module's own. A pre-hook
-on every module of the sharded model therefore sees its own final keys, and takes its entries out of the state dict
-so that torch copies nothing. The first hooked module a ``load_state_dict`` call reaches owns the call: in its
-post-hook, which runs after all of its descendants, every taken key is checked (torch's strict key check, then each
-value's shape against the parameter's *full* shape) and only then copied, each rank keeping its rows of every full
-tensor (``copy_full_value``). A refusal therefore changes nothing: torch raises its usual missing/unexpected keys
-error, or we raise one sentence for a shape. Only full shapes are taken, as torch's FSDP takes a full state dict: a
-value shaped like this rank's rows could as well be another model's full tensor, so it is refused.
-
-Torch calls every ``_load_from_state_dict`` with ``strict=True`` whatever the caller asked; only the
-``load_state_dict`` frame knows, so the post-hook reads ``strict`` there (``_caller_strict``): keys that are missing
-under ``strict=False`` must not stop the copy, and under ``strict=True`` torch raises right after our post-hook.
-Pre-hooks registered after ``fully_shard`` run after ours and no longer see the module's entries.
+A load pre-hook on every module of the sharded model takes that module's entries, by their final keys, out of the state
+dict; the post-hook of the module that owns the call checks every taken key and full shape, and only then copies each
+rank's rows. See [Note: loading through the modules' own hooks], above ``install_load_hooks``.
 """
 
 from __future__ import annotations
@@ -55,6 +41,24 @@ class _Load:
 _active: list[_Load] = []  # the call in progress, if any (a list of at most one, so no global statement is needed)
 
 
+# [Note: loading through the modules' own hooks] After ``fully_shard`` every registered parameter is this rank's rows,
+# so torch's own copy would refuse a full tensor (size mismatch). Modules also rename keys while they load (LitGPT's
+# LoRA attention maps ``qkv.weight`` to ``qkv.linear.weight`` in its ``_load_from_state_dict`` before calling
+# ``super()``), so the keys are only final when ``nn.Module._load_from_state_dict`` of the module that owns a tensor
+# starts: it runs the module's load pre-hooks first, after every ancestor's renaming and the module's own. A pre-hook on
+# every module of the sharded model (``_take_own_entries``) therefore sees its own final keys, and takes its entries out
+# of the state dict so that torch copies nothing. The first hooked module a ``load_state_dict`` call reaches owns the
+# call: in its post-hook (``_check_and_copy``), which runs after all of its descendants, every taken key is checked
+# (torch's strict key check, then each value's shape against the parameter's *full* shape) and only then copied, each
+# rank keeping its rows of every full tensor (``copy_full_value``). A refusal therefore changes nothing: torch raises
+# its usual missing/unexpected keys error, or we raise one sentence for a shape. Only full shapes are taken, as torch's
+# FSDP takes a full state dict: a value shaped like this rank's rows could as well be another model's full tensor, so it
+# is refused.
+#
+# Torch calls every ``_load_from_state_dict`` with ``strict=True`` whatever the caller asked; only the
+# ``load_state_dict`` frame knows, so the post-hook reads ``strict`` there (``_caller_strict``): keys that are missing
+# under ``strict=False`` must not stop the copy, and under ``strict=True`` torch raises right after our post-hook.
+# Pre-hooks registered after ``fully_shard`` run after ours and no longer see the module's entries.
 def install_load_hooks(module: nn.Module) -> None:
     """Make ``module.load_state_dict`` take full state dicts; see [Note: loading through the modules' own hooks].
 

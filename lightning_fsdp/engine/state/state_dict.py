@@ -5,17 +5,12 @@
 - sharded: every sharded parameter as a ``DTensor`` with ``Shard(0)`` over its shard group (``Replicate`` across
   HYBRID_SHARD's replicas) that *aliases* the local shard. ``torch.distributed.checkpoint`` saves that without a
   copy and, on load, writes every rank's rows straight into the shards, resharding from whatever world size
-  saved them. The engine's row split (rank r: rows [r*c, (r+1)*c), c = ceil(rows / W)) is ``torch.chunk``'s,
-  which is DTensor's ``Shard(0)``; 0-dim parameters (one row on rank 0) are stored whole instead.
+  saved them.
 
 Buffers are not sharded; both forms hold rank 0's (see [Note: buffers are rank 0's at every checkpoint] in
-``module_buffers.py``).
-
-Loading a full state dict: every rank copies its own rows out of it; read the file with ``torch.load(mmap=True)``
-and no rank materialises more than the one tensor it is slicing. Everything is keyed by the names
-``module.state_dict()`` uses; a checkpoint for another model is refused before anything is changed. The sharded
-module's own ``load_state_dict`` takes a full state dict the same way, through the modules' own loading code and
-hooks (see [Note: loading through the modules' own hooks] in ``load_hooks.py``).
+``module_buffers.py``). Loading a full state dict, every rank copies its own rows out of it, and a checkpoint for
+another model is refused before anything is changed. The sharded module's own ``load_state_dict`` takes a full state
+dict the same way (see [Note: loading through the modules' own hooks] in ``load_hooks.py``).
 """
 
 from __future__ import annotations
@@ -114,6 +109,9 @@ def as_dtensor(value: Tensor) -> Tensor | None:
 
 
 def _shard_dtensor(local: Tensor, fsdp_param: FSDPParam) -> DTensor:
+    """The shard as its DTensor, with no copy: the engine's row split (rank r: rows [r*c, (r+1)*c), c = ceil(rows / W))
+    is ``torch.chunk``'s, which is DTensor's ``Shard(0)``. 0-dim parameters (one row on rank 0) are stored whole instead
+    (``_whole``)."""
     mesh, placements = _mesh_of(fsdp_param)
     stride = torch.empty(fsdp_param.shape, device="meta").stride()
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=fsdp_param.shape, stride=stride)
@@ -157,7 +155,8 @@ def _mesh_of(fsdp_param: FSDPParam) -> tuple[DeviceMesh, list]:
 
 
 def load_full_state_dict(module: nn.Module, state: Mapping[str, Tensor], strict: bool = True) -> None:
-    """Load full tensors into the sharded module: every rank copies its own rows (shapes checked first)."""
+    """Load full tensors into the sharded module: every rank copies its own rows (shapes checked first). Read the file
+    with ``torch.load(mmap=True)`` and no rank materialises more than the one tensor it is slicing."""
     check_idle(module, "load_full_state_dict")
     targets = module.state_dict(keep_vars=True)
     check_keys_and_shapes(targets, state, strict, full_shapes=True)

@@ -9,29 +9,16 @@ training forward's gather, and a forward pre-hook on the embedding gathers exact
 from __future__ import annotations
 
 import functools
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_fsdp.engine.diagnostics.step_stats import STEP_STATS
 from lightning_fsdp.engine.runtime.param import FSDPParam
-from lightning_fsdp.engine.transport import Transport
-from lightning_fsdp.engine.transport.identity import Stamp
 
-
-class Unit(Protocol):
-    """What a lookup needs of the unit that holds the weight (``FSDPUnit``)."""
-
-    name: str
-
-    @property
-    def shows_full_params(self) -> bool: ...
-
-    def stamp(self, kind: str, numel: int, dtype: torch.dtype) -> Stamp | None: ...
-
-    def transport(self) -> Transport: ...
+GatherRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (wanted, shard rows, full rows)
 
 
 # [Note: an embedding's rows as they are looked up] ``nn.Embedding``'s forward reads one row of its weight per token,
@@ -63,9 +50,10 @@ class Unit(Protocol):
 class LookedUpRows:
     """One embedding weight of a unit whose full tensor is filled row by row, by the lookups of one gather."""
 
-    def __init__(self, unit: Unit, fsdp_param: FSDPParam) -> None:
-        self.unit = unit
+    def __init__(self, fsdp_param: FSDPParam, gather_rows: GatherRows, shows_full_params: Callable[[], bool]) -> None:
         self.param = fsdp_param
+        self._gather_rows = gather_rows  # the unit's collective: ``FSDPUnit.gather_rows``
+        self.shows_full_params = shows_full_params
         self.active = False  # this gather left the weight out: lookups fill it
         self.filled: torch.Tensor | None = None  # one byte a row of the padded full tensor: 1 once it is there
         self.handles: list[RemovableHandle] = [
@@ -97,12 +85,9 @@ class LookedUpRows:
         wanted[ids] = 1
         wanted.mul_(1 - self.filled)
         self.filled.add_(wanted)
-        stamp = self.unit.stamp("all-gather", wanted.numel(), torch.uint8)
-        transport = self.unit.transport()
         full = self.param.unsharded_buffer.view(-1, layout.row_numel)
         shard = self.param.padded_shard.view(-1, layout.row_numel)
-        received = transport.gather_rows(wanted, shard, full, stamp)
-        STEP_STATS.gathered(self.unit.name, transport.name, received * full.element_size() * layout.row_numel)
+        self._gather_rows(wanted, shard, full)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -124,5 +109,5 @@ def looks_up_rows_only(fsdp_param: FSDPParam) -> bool:
 
 @torch.compiler.disable  # a collective with Python side effects, as the engine's other hooks
 def _look_up(rows: LookedUpRows, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    if rows.active and rows.unit.shows_full_params:
+    if rows.active and rows.shows_full_params():
         rows.fill(args[0] if args else kwargs["input"])

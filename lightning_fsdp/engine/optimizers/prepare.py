@@ -33,6 +33,7 @@ from lightning_fsdp.engine.optimizers.scope import (
 from lightning_fsdp.engine.optimizers.step_hook import HookWhileAlive
 from lightning_fsdp.engine.runtime.param import FSDPParam
 from lightning_fsdp.engine.runtime.registry import fsdp_param_of, unit_holding
+from lightning_fsdp.engine.runtime.root import contexts_of
 
 _PREPARED: WeakKeyDictionary[Optimizer, int] = WeakKeyDictionary()  # -> the parameters it held when prepared
 
@@ -147,13 +148,10 @@ def _hold_whole(moving: list[FSDPParam]) -> None:
         for whole in unit.wholes:
             for fsdp_param, owner in zip(whole.params, whole.owners, strict=True):
                 ranks[owner] += work_of(fsdp_param.shape)
-    contexts = {}
     for unit_id, params in by_unit.items():
         unit = units[unit_id]
         unit.hold_whole(params, plan_owners([p.shape for p in params], work[unit.world_size]))
-        if unit.context is not None:
-            contexts[id(unit.context)] = unit.context
-    for context in contexts.values():
+    for context in contexts_of(units[unit_id] for unit_id in by_unit):
         context.relaid()
 
 

@@ -35,9 +35,12 @@ log = logging.getLogger(__name__)
 
 
 def context_of(unit: FSDPUnit) -> RootContext:
-    if unit.context is None:  # the first forward through this unit: it is the root
+    """The context of the root ``unit`` runs under; the first forward through a unit no root claimed makes it one."""
+    if unit.context is None:
         RootContext(unit).lazy_init()
-    return unit.context
+    context = unit.context
+    assert isinstance(context, RootContext)  # units are claimed by roots only
+    return context
 
 
 # ----- stages 1-3: forward -----------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterable
 
 import torch
 from torch.distributed import ProcessGroup
@@ -18,6 +19,7 @@ from torch.distributed import ProcessGroup
 from lightning_fsdp.engine.build.fingerprint import check_same_model
 from lightning_fsdp.engine.features.module_buffers import broadcast_buffers
 from lightning_fsdp.engine.options import BackwardPrefetch
+from lightning_fsdp.engine.runtime.comm_context import CommContext
 from lightning_fsdp.engine.runtime.registry import units_under
 from lightning_fsdp.engine.runtime.unit import FSDPUnit, PendingGradReduction
 from lightning_fsdp.engine.transport import Transport, choose_transport
@@ -30,10 +32,12 @@ log = logging.getLogger(__name__)
 MAX_PREFETCHED_UNITS = 2
 
 
-class RootContext:
-    """State shared by all units under one root: forward order, reductions in flight, the end-of-backward callback."""
+class RootContext(CommContext):
+    """State shared by all units under one root: forward order, reductions in flight, the end-of-backward callback,
+    and the collectives' side its units use (``CommContext``)."""
 
     def __init__(self, root: FSDPUnit) -> None:
+        super().__init__()
         self.root = root
         self.units: list[FSDPUnit] = []
         self.forward_order: list[FSDPUnit] = []
@@ -41,9 +45,6 @@ class RootContext:
         self.order_frozen = False
         self.pending: deque[PendingGradReduction] = deque()
         self.early_grads: list[FSDPUnit] = []  # units holding gradients mid-backward (see reduce_early_grads)
-        self.transports: dict[int, Transport] = {}  # by id of the process group (see [Note: one transport per group])
-        self.ledger: Ledger | None = None  # numbers the units' collectives (see [Note: collective identity])
-        self.callback_queued = False
         # Backwards finished so far, and their count when the root's outermost forward began: see [Note: backward
         # inside a forward].
         self.backwards_finished = 0
@@ -141,6 +142,7 @@ class RootContext:
         )
 
     def transport_of(self, group: ProcessGroup | None) -> Transport:
+        """The transport chosen for ``group``, chosen again if ``relaid`` gave it up."""
         if id(group) not in self.transports:  # given up by ``relaid``: chosen again, on every rank at this same use
             self._choose_transports()
         return self.transports[id(group)]
@@ -332,3 +334,12 @@ def _add_needs(needs: dict[int, dict[str, int]], unit: FSDPUnit) -> None:
         shard[kind] = max(shard.get(kind, 0), sent.get(kind, 0))
     replicate = needs.setdefault(id(unit.replicate_group), {})
     replicate["all_reduce"] = max(replicate.get("all_reduce", 0), sent["all_reduce"])
+
+
+def contexts_of(units: Iterable[FSDPUnit]) -> list[RootContext]:
+    """The contexts of the roots ``units`` run under, each once (units no root has claimed yet have none)."""
+    found: dict[int, RootContext] = {}
+    for unit in units:
+        if isinstance(unit.context, RootContext):
+            found.setdefault(id(unit.context), unit.context)
+    return list(found.values())

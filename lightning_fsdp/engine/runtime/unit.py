@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
 
 import torch
 from torch import nn
@@ -34,6 +33,7 @@ from lightning_fsdp.engine.diagnostics.step_stats import STEP_STATS
 from lightning_fsdp.engine.features.embedding_rows import LookedUpRows, looks_up_rows_only
 from lightning_fsdp.engine.features.sparse_rows import RowRegion, sum_over_replicas_by_rows
 from lightning_fsdp.engine.options import ShardingOptions
+from lightning_fsdp.engine.runtime.comm_context import CommContext
 from lightning_fsdp.engine.runtime.masters import gather_grads, gather_masters
 from lightning_fsdp.engine.runtime.param import FSDPParam
 from lightning_fsdp.engine.runtime.whole_tensors import WholeTensors
@@ -139,7 +139,7 @@ class FSDPUnit:
         self._pending_gather: Pending[None] | None = None
         self.prefetched = False  # unsharded ahead of use; cleared when the unit is used
         self.summoned = False  # inside summon_full_params: its modules hold the full master values
-        self.context: Any = None  # the RootContext of the root this unit runs under, set at the root's lazy init
+        self.context: CommContext | None = None  # the context of the root this unit runs under, set at its lazy init
         self.grads_expected = 0  # trainable parameters, counted at pre-forward
         self.grads_seen = 0  # gradients accumulated so far in this backward
         self.hooked_params: set[int] = set()  # ids of the grad tensors carrying our post-accumulate hook
@@ -163,7 +163,7 @@ class FSDPUnit:
                 "hooks ran out of order. Please report this with the model that triggers it."
             )
 
-    def claim(self, context: Any, name: str, is_root: bool) -> None:
+    def claim(self, context: CommContext, name: str, is_root: bool) -> None:
         """The root whose lazy init found this unit runs it from now on; ``name`` is its path under that root."""
         self.context, self.name, self.is_root = context, name, is_root
 
@@ -240,7 +240,11 @@ class FSDPUnit:
             rows.remove()
         self.looked_up = []
         if transport.gathers_rows and self.options.gather_embedding_by_rows and not self.is_whole:
-            self.looked_up = [LookedUpRows(self, p) for p in self.row_params if looks_up_rows_only(p)]
+            self.looked_up = [
+                LookedUpRows(p, self.gather_rows, lambda: self.shows_full_params)
+                for p in self.row_params
+                if looks_up_rows_only(p)
+            ]
 
     def shard_home_bytes(self) -> tuple[int, ...]:
         """The bytes of each of this unit's padded shards where a transport may keep them (see [Note: shards that
@@ -472,6 +476,14 @@ class FSDPUnit:
         """The identity of this unit's next collective (see [Note: collective identity]); none before a root."""
         ledger = self.context.ledger if self.context is not None else None
         return ledger.stamp(kind, numel * dtype.itemsize, self.name) if ledger is not None else None
+
+    def gather_rows(self, wanted: torch.Tensor, shard: torch.Tensor, full: torch.Tensor) -> None:
+        """Gather into ``full`` the rows ``wanted`` marks, from the ranks whose ``shard`` holds them (a collective of
+        this unit: see [Note: an embedding's rows as they are looked up] in ``embedding_rows.py``)."""
+        stamp = self.stamp("all-gather", wanted.numel(), torch.uint8)
+        transport = self.transport()
+        received = transport.gather_rows(wanted, shard, full, stamp)
+        STEP_STATS.gathered(self.name, transport.name, received * full.element_size() * full.shape[1])
 
     def send_bytes(self) -> dict[str, int]:
         """The send buffer of each collective this unit issues, by kind: its packed shards (``all_gather``), its

@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_fsdp.engine.optimizers.step_hook import settle_step_hooks
 from lightning_fsdp.engine.runtime.registry import units_under
+from lightning_fsdp.engine.runtime.root import contexts_of
 from lightning_fsdp.engine.state.state_dict import forget_meshes
 
 
@@ -33,8 +34,7 @@ def release(module: nn.Module) -> None:
     waited for: a collective still in flight (a run ended by an exception) is dropped. A module that never ran, or
     is not sharded, is left as it is.
     """
-    contexts = {id(unit.context): unit.context for unit in units_under(module) if unit.context is not None}
-    for context in contexts.values():
+    for context in contexts_of(units_under(module)):
         context.release()
     forget_meshes()
     settle_step_hooks()

@@ -16,12 +16,13 @@ from collections.abc import Iterable
 import torch
 from torch.distributed import ProcessGroup
 
-from lightning_fsdp.engine.build.fingerprint import check_same_model
+from lightning_fsdp.engine.build.fingerprint import ParamPrint, UnitPrint, check_same_model, value_checksum
 from lightning_fsdp.engine.features.module_buffers import broadcast_buffers
 from lightning_fsdp.engine.options import BackwardPrefetch
 from lightning_fsdp.engine.runtime.comm_context import CommContext
+from lightning_fsdp.engine.runtime.grad_reduction import PendingGradReduction
 from lightning_fsdp.engine.runtime.registry import units_under
-from lightning_fsdp.engine.runtime.unit import FSDPUnit, PendingGradReduction
+from lightning_fsdp.engine.runtime.unit import FSDPUnit
 from lightning_fsdp.engine.transport import Transport, choose_transport
 from lightning_fsdp.engine.transport.identity import Ledger
 
@@ -87,7 +88,7 @@ class RootContext(CommContext):
         rank 0's]); what this finds is a structure that differs across calls, or values changed on some ranks since.
         """
         param_names = {id(p): name for name, p in self.root.module.named_parameters()}
-        prints = [unit.fingerprint(param_names) for unit in self.units]
+        prints = [_unit_print(unit, param_names) for unit in self.units]
         for group in groups:
             check_same_model(prints, group)
 
@@ -324,6 +325,18 @@ class RootContext(CommContext):
         transports, self.transports = self.transports, {}
         for transport in transports.values():
             transport.close()
+
+
+def _unit_print(unit: FSDPUnit, name_of: dict[int, str]) -> UnitPrint:
+    """What this rank built for ``unit``; ``name_of`` names the replicated parameters (by id)."""
+    params = [
+        ParamPrint(p.fqn, tuple(p.shape), str(p.sharded.dtype), p.requires_grad, p.checksum_if_unchanged())
+        for p in unit.params
+    ] + [
+        ParamPrint(name_of.get(id(p), "?"), tuple(p.shape), str(p.dtype), p.requires_grad, value_checksum(p))
+        for p in unit.replicated
+    ]
+    return UnitPrint(unit.name, type(unit.module).__name__, tuple(params))
 
 
 def _add_needs(needs: dict[int, dict[str, int]], unit: FSDPUnit) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from enum import Enum, auto
 
 import torch
@@ -28,12 +27,16 @@ from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from lightning_fsdp.engine.build.fingerprint import ParamPrint, UnitPrint, value_checksum
 from lightning_fsdp.engine.diagnostics.step_stats import STEP_STATS
 from lightning_fsdp.engine.features.embedding_rows import LookedUpRows, looks_up_rows_only
 from lightning_fsdp.engine.features.sparse_rows import RowRegion, sum_over_replicas_by_rows
 from lightning_fsdp.engine.options import ShardingOptions
 from lightning_fsdp.engine.runtime.comm_context import CommContext
+from lightning_fsdp.engine.runtime.grad_reduction import (
+    PendingGradReduction,
+    divide_before_reducing,
+    row_regions,
+)
 from lightning_fsdp.engine.runtime.masters import gather_grads, gather_masters
 from lightning_fsdp.engine.runtime.param import FSDPParam
 from lightning_fsdp.engine.runtime.whole_tensors import WholeTensors
@@ -67,36 +70,6 @@ class TrainingState(Enum):
     FORWARD = auto()
     PRE_BACKWARD = auto()  # backward has reached the unit's outputs; its gradients are being computed
     POST_BACKWARD = auto()  # its gradients are reduced (or kept, when gradient sync is off) for this step
-
-
-@dataclass
-class PendingGradReduction:
-    """A unit's gradient reduction in flight; ``finish`` waits and accumulates the result into the ``.grad``s.
-
-    ``had_grad`` marks, per trainable parameter, whether a gradient arrived on this rank. One that got none (an
-    unused parameter) still holds its zero-filled place in the flat buffer, since every rank must send the same
-    layout, but keeps ``.grad = None`` as it would unsharded -- so an optimizer skips it instead of applying weight
-    decay to it. A parameter used on some ranks and not on others in the same step is not supported (as in
-    torch's FSDP): all ranks must take the same branches.
-    """
-
-    unit: FSDPUnit
-    pending: Pending[torch.Tensor]
-    params: list[FSDPParam] | list[nn.Parameter]  # what the reduced buffer holds, in its order
-    had_grad: list[bool]
-    divide_after: bool  # fp32 divides the (W-times smaller) result, unless the transport divides exactly for free
-    # After ``params``: the segments of whole tensors it holds, each with the parameters packed there and which had
-    # a gradient (see [Note: whole tensors] in whole_tensors.py).
-    wholes: list[tuple[WholeTensors, list[FSDPParam], list[bool]]] = field(default_factory=list)
-
-    def finish(self) -> None:
-        with record_function("lightning_fsdp.wait_reduce"):
-            started = time.perf_counter()
-            reduced = self.pending.wait()
-            STEP_STATS.blocked_since(started)
-            if self.divide_after:  # an average over ranks, as DDP and the unsharded reference compute
-                reduced.div_(self.unit.total_world_size)
-            self.unit.accept_reduced_grads(reduced, self.params, self.had_grad, self.wholes)
 
 
 class FSDPUnit:
@@ -505,17 +478,6 @@ class FSDPUnit:
             "all_reduce": trainable_numel * reduce_dtype.itemsize,
         }
 
-    def fingerprint(self, name_of: dict[int, str]) -> UnitPrint:
-        """What this rank built for this unit; ``name_of`` names the replicated parameters (by id)."""
-        params = [
-            ParamPrint(p.fqn, tuple(p.shape), str(p.sharded.dtype), p.requires_grad, p.checksum_if_unchanged())
-            for p in self.params
-        ] + [
-            ParamPrint(name_of.get(id(p), "?"), tuple(p.shape), str(p.dtype), p.requires_grad, value_checksum(p))
-            for p in self.replicated
-        ]
-        return UnitPrint(self.name, type(self.module).__name__, tuple(params))
-
     def __repr__(self) -> str:
         return f"FSDPUnit({type(self.module).__name__}, params={len(self.params) + len(self.replicated)})"
 
@@ -675,19 +637,20 @@ class FSDPUnit:
         numel = self.world_size * sum(row.columns for row in rows)
         stamp = self.stamp("reduce-scatter", numel, reduce_dtype) if self.world_size > 1 else None
         transport = self.transport()
-        divide_by = self._divide_before_reducing(reduce_dtype)
+        divide_by = divide_before_reducing(reduce_dtype, self.total_world_size)
         if divide_by is None and transport.divides_exactly(self.total_world_size, rows, reduce_dtype):
             divide_by = self.total_world_size
         started = time.perf_counter()
         with torch.no_grad():  # the cast to reduce_dtype, if any, is the transport's packing copy
             pending = transport.reduce_scatter(rows, reduce_dtype, stamp, divide_by)
             if self.replicate_group is not None:  # HYBRID: sum the shard over the replicas too
-                pending = self._sum_over_replicas(pending, transport.synchronous, _row_regions(spread))
+                pending = self._sum_over_replicas(pending, transport.synchronous, row_regions(spread))
         STEP_STATS.blocked_since(started)
         STEP_STATS.reduced(self.name, transport.name, numel * reduce_dtype.itemsize)
         for fsdp_param in trainable:
             fsdp_param.unsharded.grad = None
-        return PendingGradReduction(self, pending, spread, had_grad, divide_by is None, wholes)
+        divide_after = self.total_world_size if divide_by is None else None
+        return PendingGradReduction(pending, spread, had_grad, divide_after, wholes)
 
     def _sum_over_replicas(
         self, shard_sum: Pending[torch.Tensor], shard_stage_done: bool, row_regions: list[RowRegion]
@@ -719,50 +682,12 @@ class FSDPUnit:
         grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in trainable]
         numel = sum(grad.numel() for grad in grads)
         stamp = self.stamp("all-reduce", numel, reduce_dtype) if self.total_world_size > 1 else None
-        divide_by = self._divide_before_reducing(reduce_dtype)
+        divide_by = divide_before_reducing(reduce_dtype, self.total_world_size)
         transport = self.replicate_transport()
         started = time.perf_counter()
         with torch.no_grad():
             pending = transport.all_reduce(grads, reduce_dtype, stamp, divide_by)
         STEP_STATS.blocked_since(started)
         STEP_STATS.reduced(self.name, transport.name, numel * reduce_dtype.itemsize)
-        return PendingGradReduction(self, pending, trainable, had_grad, divide_by is None)
-
-    def _divide_before_reducing(self, dtype: torch.dtype) -> int | None:
-        """Low precision divides by the ranks first, so the sum cannot overflow (the divisor); fp32 divides the
-        result after (None), unless the transport divides exactly for free (``Transport.divides_exactly``)."""
-        return self.total_world_size if dtype in (torch.float16, torch.bfloat16) else None
-
-    def accept_reduced_grads(
-        self,
-        reduced: torch.Tensor,
-        params: list[FSDPParam] | list[nn.Parameter],
-        had_grad: list[bool],
-        wholes: list[tuple[WholeTensors, list[FSDPParam], list[bool]]] = (),
-    ) -> None:
-        """Hand each of ``params`` (what the reduction packed, in order) that had a gradient its slice of the
-        reduced buffer (views: no copy), then the whole tensors this rank holds theirs from its segments."""
-        offset = 0
-        for param, arrived in zip(params, had_grad, strict=True):
-            if isinstance(param, FSDPParam):
-                numel = param.layout.shard_numel
-                if arrived:
-                    param.accumulate_sharded_grad(reduced[offset : offset + numel])
-            else:
-                numel = param.numel()
-                if arrived:
-                    param.grad = reduced[offset : offset + numel].view_as(param).to(param.dtype)
-            offset += numel
-        for whole, packed, arrived in wholes:
-            whole.accept_reduced(reduced[offset : offset + whole.columns], packed, arrived)
-            offset += whole.columns
-
-
-def _row_regions(params: list[FSDPParam]) -> list[RowRegion]:
-    """Where the row-sparse gradients (``FSDPParam.rows_sparse``) among ``params`` lie in their reduced flat shard."""
-    regions, offset = [], 0
-    for param in params:
-        if param.rows_sparse:
-            regions.append(RowRegion(offset, param.layout.chunk_rows, param.layout.row_numel))
-        offset += param.layout.shard_numel
-    return regions
+        divide_after = self.total_world_size if divide_by is None else None
+        return PendingGradReduction(pending, trainable, had_grad, divide_after)

@@ -72,6 +72,25 @@ class TrainingState(Enum):
     POST_BACKWARD = auto()  # its gradients are reduced (or kept, when gradient sync is off) for this step
 
 
+IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = TrainingState
+ANY_STATE = frozenset(TrainingState)
+
+# The step's lifecycle in one place: every change of a unit's ``training_state`` is one of these moves, made by the
+# method the comment names, from one of the states listed to one of the states listed (an empty target: a check that
+# changes nothing). Any other order raises at once -- the hooks ran out of order -- instead of computing with freed
+# or stale memory. The stages are those of ``hooks.py``.
+TRANSITIONS: dict[str, tuple[frozenset[TrainingState], frozenset[TrainingState]]] = {
+    "begin its forward": (ANY_STATE, frozenset({FORWARD})),  # begin_forward, stage 2 (forward inside a backward too)
+    "end its forward": (frozenset({FORWARD}), frozenset({FORWARD, IDLE})),  # end_forward, stage 3 (nested calls)
+    "begin its backward": (frozenset({IDLE, FORWARD}), frozenset({PRE_BACKWARD})),  # begin_backward, stage 4
+    "finish its backward": (frozenset({IDLE, FORWARD, PRE_BACKWARD}), frozenset({POST_BACKWARD})),  # stage 5
+    "end its step": (ANY_STATE, frozenset({FORWARD, IDLE})),  # end_step, stage 6 (FORWARD: backward inside forward)
+    "leave its run": (ANY_STATE, frozenset({IDLE})),  # leave_run: the run ended, maybe mid-step
+    "hold tensors whole": (frozenset({IDLE}), frozenset()),  # hold_whole: between steps only
+    "show its full parameters": (frozenset({IDLE}), frozenset()),  # summon: between steps only
+}
+
+
 class FSDPUnit:
     """The parameters one ``fully_shard`` unit owns, and the moves between their sharded and unsharded forms.
 
@@ -129,12 +148,17 @@ class FSDPUnit:
 
     # ----- the state machine: every change of the fields above goes through these methods ------------------------
 
-    def _expect(self, transition: str, *states: TrainingState) -> None:
-        if self.training_state not in states:
+    def _move(self, transition: str, to: TrainingState | None = None) -> None:
+        """Make ``transition`` (a row of ``TRANSITIONS``), to ``to`` if it changes the state."""
+        sources, targets = TRANSITIONS[transition]
+        if self.training_state not in sources:
             raise RuntimeError(
                 f"{self!r} (unit '{self.name}') cannot {transition} while {self.training_state.name}: the engine's "
                 "hooks ran out of order. Please report this with the model that triggers it."
             )
+        if to is not None:
+            assert to in targets, f"{transition} cannot lead to {to.name}"
+            self.training_state = to
 
     def claim(self, context: CommContext, name: str, is_root: bool) -> None:
         """The root whose lazy init found this unit runs it from now on; ``name`` is its path under that root."""
@@ -161,17 +185,15 @@ class FSDPUnit:
 
     def begin_forward(self, records_grads: bool) -> None:
         """Stage 2 starts (not a recomputation: the caller checked ``is_recomputing``)."""
-        self.training_state = TrainingState.FORWARD
+        self._move("begin its forward", FORWARD)
         self.forward_depth += 1
         if records_grads:
             self.grads_expected = self.num_trainable()
 
     def end_forward(self) -> None:
         """Stage 3: the unit's forward returned."""
-        self._expect("end its forward", TrainingState.FORWARD)
         self.forward_depth -= 1
-        if not self.in_forward:
-            self.training_state = TrainingState.IDLE
+        self._move("end its forward", FORWARD if self.in_forward else IDLE)
 
     @property
     def in_forward(self) -> bool:
@@ -259,7 +281,7 @@ class FSDPUnit:
         """From now on ``params`` (some of this unit's, spread by rows) live whole on ``owners``, with their values
         and gradients (see [Note: whole tensors] in whole_tensors.py). A collective over the shard group, between
         steps; the transport keeps the new layout once the root has chosen it again (``RootContext.relaid``)."""
-        self._expect("hold tensors whole", TrainingState.IDLE)
+        self._move("hold tensors whole")
         if self.summoned or self.shard_state is not ShardState.SHARDED:
             raise RuntimeError(f"unit '{self.name}' can change its layout only between steps, outside summon.")
         with torch.no_grad():
@@ -346,9 +368,9 @@ class FSDPUnit:
 
     def begin_backward(self) -> bool:
         """Stage 4: backward reached the unit's outputs. False when it had already (several outputs, one backward)."""
-        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        if self.training_state in (PRE_BACKWARD, POST_BACKWARD):
             return False
-        self.training_state = TrainingState.PRE_BACKWARD
+        self._move("begin its backward", PRE_BACKWARD)
         return True
 
     @property
@@ -371,12 +393,12 @@ class FSDPUnit:
         of their own, so a rank never holds a unit's full parameters, its full gradients and its reduced rows at once.
         For a language model's root (embedding and head) that is the peak of the step.
         """
-        self._expect("finish its backward", TrainingState.IDLE, TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
+        self._move("finish its backward")
         if not self.in_forward:  # see [Note: backward inside a forward] in hooks.py
             self.reshard()
         reduction = self.reduce_grads() if self.requires_grad_sync else None
         self.arrived = []
-        self.training_state = TrainingState.POST_BACKWARD
+        self._move("finish its backward", POST_BACKWARD)
         return reduction
 
     def end_step(self) -> None:
@@ -387,10 +409,10 @@ class FSDPUnit:
         self.arrived = []
         self.reduced_early = set()
         if self.in_forward:  # see [Note: backward inside a forward] in hooks.py
-            self.training_state = TrainingState.FORWARD
+            self._move("end its step", FORWARD)
             return
         self.reshard()
-        self.training_state = TrainingState.IDLE
+        self._move("end its step", IDLE)
 
     def leave_run(self, transport: Transport | None) -> None:
         """The run that claimed this unit ended (see [Note: what a run gives back] in ``release.py``), maybe in the
@@ -410,7 +432,8 @@ class FSDPUnit:
             rows.end()
         self.host_rows, self.context = None, None
         self.shard_state = ShardState.SHARDED if self.params else ShardState.UNSHARDED
-        self.training_state, self.forward_depth, self.prefetched = TrainingState.IDLE, 0, False
+        self._move("leave its run", IDLE)
+        self.forward_depth, self.prefetched = 0, False
         self.grads_seen, self.input_grads_pending, self.awaits_final_callback = 0, 0, False
         self.arrived, self.reduced_early = [], set()
 
@@ -572,7 +595,7 @@ class FSDPUnit:
     def summon(self) -> None:
         """Register every parameter's full value in its masters' own dtype, for ``summon_full_params`` (a collective;
         see [Note: summoned parameters are the masters] in ``param.py``). The forward's gathers are untouched."""
-        self._expect("show its full parameters", TrainingState.IDLE)
+        self._move("show its full parameters")
         if self.summoned:
             raise RuntimeError(
                 f"summon_full_params was entered again for unit '{self.name}' while it is already inside one; "

@@ -2,21 +2,15 @@
 
 Fabric calls a strategy from the user's own loop; this one answers as follows.
 
-- ``__init__``: the Trainer strategy's arguments, read by the same code (``adapter/sharding_setup.py``), so a config
-  moves between ``Trainer`` and ``Fabric`` unchanged. ``state_dict_type`` defaults to ``"sharded"``, as Lightning
-  Fabric's FSDP does.
-- ``setup_environment``: ranks from the cluster environment, the HYBRID_SHARD mesh checked, the process group with
-  the strategy's timeout (an existing group, torchrun's or a test's, is used as it is).
+- ``__init__``: the Trainer strategy's arguments, checked by the same code (``adapter/sharding_setup.py``), so a
+  config moves between ``Trainer`` and ``Fabric`` unchanged; ``state_dict_type`` defaults to ``"sharded"``.
+- ``setup_environment``: ranks, the HYBRID_SHARD mesh checked, the process group with the strategy's timeout.
 - ``fabric.init_module(empty_init=True)``: modules on the meta device, materialized unit by unit when set up.
-- ``fabric.setup(model, optimizer)`` / ``setup_module`` + ``setup_optimizers``: ``fully_shard`` in place, names
-  unchanged. ``fully_shard`` registers each rank's shard as a new parameter, so an optimizer built before -- which
-  ``fabric.setup(model, optimizer)`` always has -- gets the shards put in place of the parameters they replaced, by
-  name (refused once it has state: that state belongs to the full tensors).
-- ``fabric.backward`` (the precision plugin's loss scaling), ``fabric.clip_gradients`` (the norm of the whole
-  gradient, summed over the shards), ``fabric.no_backward_sync`` (the engine's ``no_sync``).
-- ``fabric.save`` / ``fabric.load`` / ``fabric.load_raw``: a full file in Lightning Fabric's layout (the user's keys
-  hold full state dicts) or the Trainer strategy's sharded folder (see ``fabric/checkpoint.py``), with the Trainer's
-  refusal and safety rules.
+- ``fabric.setup(model, optimizer)``: ``fully_shard`` in place, names unchanged; an optimizer built before gets the
+  shards put in place of the parameters they replaced, by name (refused once it has state).
+- ``fabric.backward``, ``fabric.clip_gradients`` (the norm of the whole gradient), ``fabric.no_backward_sync``.
+- ``fabric.save`` / ``load`` / ``load_raw``: a full file in Lightning Fabric's layout or the Trainer strategy's
+  sharded folder (``fabric/checkpoint.py``), with the Trainer's refusal and safety rules.
 """
 
 from __future__ import annotations

@@ -2,22 +2,16 @@
 
 The Trainer calls a strategy in a fixed order; this one fills the steps in as follows.
 
-- ``__init__``: every argument checked, with one sentence that says what to change: Lightning's own arguments and
-  the torch-FSDP keywords it forwards (read in ``adapter/lightning_arguments.py``). Class-path strings in the policies
-  are imported here, so a YAML typo fails at once.
-- ``setup_environment``: ranks from Lightning's cluster environment (its subprocess launcher, torchrun, SLURM, ...),
-  the HYBRID_SHARD mesh checked against the world size, then ``init_process_group`` with the strategy's timeout, so
-  every collective of the run -- the engine's included -- fails after that long instead of hanging.
-- ``configure_model`` runs on the CPU with real weights (``model_sharded_context``), on the meta device only when an
-  empty init was asked for.
-- ``setup``: dtype conversion (precision plugin), sync batchnorm, the move to the device, ``fully_shard`` in place
-  with the user's policy or the model's repeated blocks; only then the optimizers, which therefore hold the shards.
-  A later stage (``validate`` after ``fit``) reuses the sharded model.
-- ``training_step`` and the other steps: always through Lightning's forward redirection (see ``_redirect``).
-- ``block_backward_sync``: gradient accumulation, reducing every micro-batch unless told otherwise.
+- ``__init__``: every argument checked, with one sentence that says what to change (``adapter/``).
+- ``setup_environment``: ranks from Lightning's cluster environment, the HYBRID_SHARD mesh checked, then the process
+  group with the strategy's timeout, so every collective of the run fails after that long instead of hanging.
+- ``configure_model`` runs on the CPU with real weights, on the meta device only when an empty init was asked for.
+- ``setup``: precision, sync batchnorm, the device, ``fully_shard`` in place with the user's policy or the model's
+  repeated blocks; only then the optimizers, which therefore hold the shards.
+- ``training_step`` and the other steps: through Lightning's forward redirection (see ``_redirect``);
+  ``block_backward_sync``: gradient accumulation, reducing every micro-batch unless told otherwise.
 - Checkpoints: one full file from rank 0 or one sharded folder from every rank (``lightning_fsdp/checkpoint``).
-- ``on_train_start``: SLURM's requeue signal and SIGTERM are acted on at batch ends by every rank together
-  (``preemption.py``), not inside the step where they land.
+- ``on_train_start``: SLURM's requeue signal and SIGTERM are acted on at batch ends by every rank together.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -139,6 +140,75 @@ class PrecisionDtypes:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None:
             self.scaler.load_state_dict(state_dict)
+
+
+class DtypesPrecision(FabricPrecision):
+    """The hooks of Lightning's precision plugin that only concern dtypes, answered by one :class:`PrecisionDtypes`:
+    the same for the Trainer's plugin (whose base class extends Fabric's) and Fabric's, which add their own loss
+    scaling and clipping.
+
+    Args:
+        precision: one of ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ``"16-true"``.
+        scaler: the loss scaler for ``"16-mixed"``; a :class:`ShardedGradScaler` with torch's defaults when None.
+        device: the device type ``torch.autocast`` runs on under ``"-mixed"``; the strategy sets its own at setup.
+    """
+
+    def __init__(
+        self, precision: PrecisionName, scaler: ShardedGradScaler | None = None, device: str | None = None
+    ) -> None:
+        self._dtypes = PrecisionDtypes(precision, scaler, device)  # validates; the one definition of each setting
+        self.precision = precision  # type: ignore[assignment]
+        self.scaler = self._dtypes.scaler
+
+    @property
+    def device(self) -> str:
+        return self._dtypes.device
+
+    @device.setter
+    def device(self, device: str) -> None:
+        self._dtypes.device = device
+
+    @property
+    def mixed_precision_config(self) -> EngineMixedPrecision:
+        """The dtypes parameters are computed in, gradients reduced in and buffers kept in (as Lightning reports)."""
+        return self._dtypes.mixed_precision_config
+
+    @property
+    def engine_mixed_precision(self) -> EngineMixedPrecision | None:
+        """The engine policy for ``"-mixed"``; None under ``"-true"``, where the model itself has the dtype."""
+        return self._dtypes.engine_mixed_precision
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return self._dtypes.convert_module(module)
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        return self._dtypes.model_dtype_context()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self._dtypes.model_dtype_context()
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        return self._dtypes.forward_context()
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return self._dtypes.convert_input(data)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        return self._dtypes.convert_output(data)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self._dtypes.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._dtypes.load_state_dict(state_dict)
 
 
 def unsupported(precision: object) -> str:

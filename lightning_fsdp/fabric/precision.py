@@ -14,7 +14,6 @@ Fabric builds its own plugin from ``Fabric(precision=...)`` before it knows the 
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from typing import Any
 
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -23,13 +22,12 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fsdp.adapter.precision import SUPPORTED_PRECISIONS, PrecisionDtypes, PrecisionName, ShardedGradScaler
-from lightning_fsdp.engine import MixedPrecision as EngineMixedPrecision
+from lightning_fsdp.adapter.precision import SUPPORTED_PRECISIONS, DtypesPrecision
 
 __all__ = ["FabricFSDPPrecision", "as_fabric_fsdp_precision"]
 
 
-class FabricFSDPPrecision(Precision):
+class FabricFSDPPrecision(DtypesPrecision):
     """Fabric's precision plugin for :class:`~lightning_fsdp.FabricFSDPStrategy`.
 
     Args:
@@ -37,55 +35,6 @@ class FabricFSDPPrecision(Precision):
         scaler: the loss scaler for ``"16-mixed"``; a :class:`ShardedGradScaler` with torch's defaults when None.
         device: the device type ``torch.autocast`` runs on under ``"-mixed"``; the strategy sets its own.
     """
-
-    def __init__(
-        self, precision: PrecisionName, scaler: ShardedGradScaler | None = None, device: str | None = None
-    ) -> None:
-        self._dtypes = PrecisionDtypes(precision, scaler, device)  # validates; the one definition of each setting
-        self.precision = precision  # type: ignore[assignment]
-        self.scaler = self._dtypes.scaler
-
-    @property
-    def device(self) -> str:
-        return self._dtypes.device
-
-    @device.setter
-    def device(self, device: str) -> None:
-        self._dtypes.device = device
-
-    @property
-    def mixed_precision_config(self) -> EngineMixedPrecision:
-        """The dtypes parameters are computed in, gradients reduced in and buffers kept in (as Lightning reports)."""
-        return self._dtypes.mixed_precision_config
-
-    @property
-    def engine_mixed_precision(self) -> EngineMixedPrecision | None:
-        """The engine policy for ``"-mixed"``; None under ``"-true"``, where the model itself has the dtype."""
-        return self._dtypes.engine_mixed_precision
-
-    @override
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        return self._dtypes.convert_module(module)
-
-    @override
-    def tensor_init_context(self) -> AbstractContextManager:
-        return self._dtypes.model_dtype_context()
-
-    @override
-    def module_init_context(self) -> AbstractContextManager:
-        return self._dtypes.model_dtype_context()
-
-    @override
-    def forward_context(self) -> AbstractContextManager:
-        return self._dtypes.forward_context()
-
-    @override
-    def convert_input(self, data: Any) -> Any:
-        return self._dtypes.convert_input(data)
-
-    @override
-    def convert_output(self, data: Any) -> Any:
-        return self._dtypes.convert_output(data)
 
     @override
     def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
@@ -106,14 +55,6 @@ class FabricFSDPPrecision(Precision):
         """Unscale before clipping; every rank agrees on inf/NaN here (see :class:`ShardedGradScaler`)."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self._dtypes.state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._dtypes.load_state_dict(state_dict)
 
 
 def as_fabric_fsdp_precision(plugin: Precision) -> FabricFSDPPrecision:

@@ -12,22 +12,19 @@ any strategy sees it; fp16 on CPU needs ``FSDPStrategy(precision_plugin=FSDPPrec
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.adapter.precision import (
     SUPPORTED_PRECISIONS,
-    PrecisionDtypes,
-    PrecisionName,
+    DtypesPrecision,
     ShardedGradScaler,
     unsupported,
 )
-from lightning_fsdp.engine import MixedPrecision as EngineMixedPrecision
 from lightning_fsdp.engine import clip_grad_norm_, clip_grad_value_
 
 if TYPE_CHECKING:
@@ -36,7 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["FSDPPrecision", "ShardedGradScaler", "as_fsdp_precision"]
 
 
-class FSDPPrecision(Precision):
+class FSDPPrecision(DtypesPrecision, Precision):
     """Lightning's precision plugin for :class:`~lightning_fsdp.FSDPStrategy` (what each setting means:
     ``adapter/precision.py``).
 
@@ -45,55 +42,6 @@ class FSDPPrecision(Precision):
         scaler: the loss scaler for ``"16-mixed"``; a :class:`ShardedGradScaler` with torch's defaults when None.
         device: the device type ``torch.autocast`` runs on under ``"-mixed"``; the strategy sets its own at setup.
     """
-
-    def __init__(
-        self, precision: PrecisionName, scaler: ShardedGradScaler | None = None, device: str | None = None
-    ) -> None:
-        self._dtypes = PrecisionDtypes(precision, scaler, device)  # validates; the one definition of each setting
-        self.precision = precision
-        self.scaler = self._dtypes.scaler
-
-    @property
-    def device(self) -> str:
-        return self._dtypes.device
-
-    @device.setter
-    def device(self, device: str) -> None:
-        self._dtypes.device = device
-
-    @property
-    def mixed_precision_config(self) -> EngineMixedPrecision:
-        """The dtypes parameters are computed in, gradients reduced in and buffers kept in (as Lightning reports)."""
-        return self._dtypes.mixed_precision_config
-
-    @property
-    def engine_mixed_precision(self) -> EngineMixedPrecision | None:
-        """The engine policy for ``"-mixed"``; None under ``"-true"``, where the model itself has the dtype."""
-        return self._dtypes.engine_mixed_precision
-
-    @override
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        return self._dtypes.convert_module(module)
-
-    @override
-    def tensor_init_context(self) -> AbstractContextManager:
-        return self._dtypes.model_dtype_context()
-
-    @override
-    def module_init_context(self) -> AbstractContextManager:
-        return self._dtypes.model_dtype_context()
-
-    @override
-    def forward_context(self) -> AbstractContextManager:
-        return self._dtypes.forward_context()
-
-    @override
-    def convert_input(self, data: Any) -> Any:
-        return self._dtypes.convert_input(data)
-
-    @override
-    def convert_output(self, data: Any) -> Any:
-        return self._dtypes.convert_output(data)
 
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
@@ -130,14 +78,6 @@ class FSDPPrecision(Precision):
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         clip_grad_value_(list(self.main_params(optimizer)), clip_val)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self._dtypes.state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._dtypes.load_state_dict(state_dict)
 
 
 def as_fsdp_precision(plugin: Precision) -> FSDPPrecision:

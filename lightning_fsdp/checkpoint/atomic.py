@@ -40,6 +40,7 @@ from lightning_fsdp.checkpoint.temporaries import (
 )
 
 __all__ = [
+    "Ranks",
     "atomic_directory",
     "check_destination",
     "out_of_space",
@@ -254,7 +255,7 @@ def write_file_atomically(
 
 
 @dataclass(frozen=True)
-class _Ranks:
+class Ranks:
     """The process group an ``atomic_directory`` spans (one process when not collective): the default group, or one
     spanning the same ranks (a background save's own, see ``async_save.py``)."""
 
@@ -264,7 +265,7 @@ class _Ranks:
     group: dist.ProcessGroup | None = None
 
     @classmethod
-    def of(cls, collective: bool, group: dist.ProcessGroup | None = None) -> _Ranks:
+    def of(cls, collective: bool, group: dist.ProcessGroup | None = None) -> Ranks:
         if collective and dist.is_available() and dist.is_initialized():
             return cls(True, dist.get_rank(group), dist.get_world_size(group), group)
         return cls(False, 0, 1)
@@ -340,7 +341,7 @@ def _attempt(step: Callable[[], None]) -> BaseException | None:
     return None
 
 
-def _agree(ranks: _Ranks, failure: BaseException | None, final: Path, folder_bytes: int) -> None:
+def _agree(ranks: Ranks, failure: BaseException | None, final: Path, folder_bytes: int) -> None:
     """Every rank learns how every rank's step went (a collective); all raise if any failed (see ``_raise_agreed``)."""
     _raise_agreed(ranks.gather(_verdict(failure, ranks.rank, final, folder_bytes)), ranks.rank, failure, final)
 
@@ -382,7 +383,7 @@ def _check_folders(folders: Sequence[_Folder], final: Path) -> None:
             )
 
 
-def _copy_rank0_files(tmp: Path, ranks: _Ranks, owner: int, names: Sequence[str]) -> None:
+def _copy_rank0_files(tmp: Path, ranks: Ranks, owner: int, names: Sequence[str]) -> None:
     """Give every folder rank 0's own files (a collective, run only when there is more than one folder).
 
     Every rank takes part in the broadcast even when rank 0 cannot read its files (it then sends nothing and raises).
@@ -435,7 +436,7 @@ def atomic_directory(
     ``group``: the process group of every agreement (one spanning all ranks; the default group when None).
     """
     final = Path(final)
-    ranks = _Ranks.of(collective, group)
+    ranks = Ranks.of(collective, group)
     _raise_first_refusal(ranks.gather(check_destination(final, form, expected_bytes)), ranks.rank)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(ranks.broadcast(temporary_sibling(final).name))
@@ -477,7 +478,7 @@ def atomic_directory(
 def refuse_on_every_rank(final: Path, form: str, expected_bytes: int, group: dist.ProcessGroup | None = None) -> None:
     """Every rank checks its own ``final`` (see ``check_destination``) and raises any rank's refusal (a collective):
     what ``atomic_directory`` checks first, for a caller that must know before it hands the save on."""
-    ranks = _Ranks.of(collective=True, group=group)
+    ranks = Ranks.of(collective=True, group=group)
     _raise_first_refusal(ranks.gather(check_destination(final, form, expected_bytes)), ranks.rank)
 
 
@@ -487,7 +488,7 @@ def raise_on_every_rank(failure: BaseException | None, final: Path | str) -> Non
     Rank 0 raises its own error; the others raise the same out-of-space sentence (``OSError(ENOSPC)``), or a sentence
     that names rank 0's error -- instead of waiting for rank 0 in the next collective.
     """
-    ranks = _Ranks.of(collective=True)
+    ranks = Ranks.of(collective=True)
     verdict = ranks.broadcast(_verdict(failure, 0, final, 0) if ranks.rank == 0 else None)
     if verdict is None:
         return

@@ -11,9 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
-from lightning_fsdp.checkpoint.atomic import check_destination, raise_on_every_rank, refusal_error
+from lightning_fsdp.checkpoint.atomic import Ranks, check_destination, raise_on_every_rank, refusal_error
 from lightning_fsdp.checkpoint.location import is_remote
 from lightning_fsdp.checkpoint.remote import remote_refusal
 
@@ -22,13 +20,14 @@ def refuse_full_destination(
     final: str | Path, expected_bytes: int = 0, storage_options: dict[str, Any] | None = None
 ) -> None:
     """Every rank raises rank 0's refusal to write a full checkpoint at ``final`` (a collective)."""
+    ranks = Ranks.of(collective=True)
     refusal = None
-    if _rank() == 0:
+    if ranks.rank == 0:
         if is_remote(final):
             refusal = remote_refusal(str(final), "full", storage_options)
         else:
             refusal = check_destination(Path(final), "full", expected_bytes)
-    refusal = _from_rank_zero(refusal)
+    refusal = ranks.broadcast(refusal)
     if refusal is not None:
         raise refusal_error(refusal)
 
@@ -41,18 +40,7 @@ def save_on_rank_zero(final: str | Path, save: Callable[[], None]) -> None:
         save()
     except BaseException as err:
         failure = err
-    raise_on_every_rank(failure if _rank() == 0 else None, str(final) if is_remote(final) else Path(final))
+    rank_zero = Ranks.of(collective=True).rank == 0
+    raise_on_every_rank(failure if rank_zero else None, str(final) if is_remote(final) else Path(final))
     if failure is not None:
         raise failure
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _from_rank_zero(value: Any) -> Any:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, 0)
-    return box[0]
